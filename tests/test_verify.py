@@ -1,0 +1,331 @@
+"""Verification math (SPEC §5): greedy is exact, sampling preserves the target distribution.
+
+The sampled case is checked twice: by exact enumeration over a tiny vocabulary (built from the
+same acceptance and residual helpers verify_sampled uses) and by Monte Carlo on verify_sampled
+itself. Two broken verifiers are planted to show both checks fail when the math is wrong.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import spec_decode as sd
+
+FAST = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MC_ROWS = 200_000
+
+
+# --- a toy target and drafter over every prefix of a tiny vocabulary ---
+
+
+def all_prefixes(vocab, max_len):
+    """Every token tuple of length 0..max_len, shortest first, lexicographic within a length."""
+    return [t for k in range(max_len + 1) for t in itertools.product(range(vocab), repeat=k)]
+
+
+def prefix_rows(tokens, vocab):
+    """Row of each prefix tokens[:, :k] (k = 0..width) in all_prefixes order, vocab >= 2: [rows, width + 1]."""
+    code = tokens.new_zeros(tokens.shape[0])
+    rows = [code]
+    for k in range(1, tokens.shape[1] + 1):
+        code = code * vocab + tokens[:, k - 1]
+        rows.append((vocab**k - 1) // (vocab - 1) + code)  # prefixes shorter than k come first
+    return torch.stack(rows, 1)
+
+
+def toy_target(vocab, n, temperature, top_k, top_p, gen):
+    """P(. | prefix) for every prefix of length <= n: process_logits of random logits. [prefixes, V] float64."""
+    logits = 2 * torch.randn(len(all_prefixes(vocab, n)), vocab, generator=gen, dtype=torch.float64)
+    return sd.process_logits(logits, temperature, top_k, top_p)
+
+
+def toy_proposal(vocab, n, walk, support, gen):
+    """q(. | accepted prefix) for every prefix of length < n, [prefixes, V] float64.
+
+    sampled: a random distribution on a random top-`support` set; greedy: one-hot on a random token.
+    """
+    rows = len(all_prefixes(vocab, n - 1))
+    scores = torch.randn(rows, vocab, generator=gen, dtype=torch.float64)
+    if walk == "greedy":
+        return torch.nn.functional.one_hot(scores.argmax(-1), vocab).to(torch.float64)
+    kth = scores.topk(support, -1).values[:, -1:]
+    weights = torch.randn(rows, vocab, generator=gen, dtype=torch.float64)
+    return weights.masked_fill(scores < kth, float("-inf")).softmax(-1)
+
+
+def exact_verification_law(P, Q, vocab, n):
+    """{emitted tokens: probability} of one verification step, enumerated over drafts d ~ q and accept/reject outcomes.
+
+    Emitted tokens are the a accepted drafts plus one residual or bonus token, so the tuple's
+    length is a + 1. Acceptance and residual come from the helpers verify_sampled uses.
+    """
+    index = {prefix: row for row, prefix in enumerate(all_prefixes(vocab, n))}
+    alpha = sd.acceptance_probability(P[: len(Q)], Q).tolist()
+    residual = sd.residual_distribution(P[: len(Q)], Q).tolist()
+    p, q = P.tolist(), Q.tolist()
+    law = {}
+
+    def walk(prefix, reach):
+        row = index[prefix]
+        if len(prefix) == n:
+            for t in range(vocab):
+                law[prefix + (t,)] = law.get(prefix + (t,), 0.0) + reach * p[row][t]
+            return
+        # The residual depends only on the accepted prefix, so every rejected draft shares it.
+        reject = reach * sum(q[row][d] * (1 - alpha[row][d]) for d in range(vocab))
+        for t in range(vocab):
+            law[prefix + (t,)] = law.get(prefix + (t,), 0.0) + reject * residual[row][t]
+        for d in range(vocab):
+            if q[row][d] > 0:
+                walk(prefix + (d,), reach * q[row][d] * alpha[row][d])
+
+    walk((), 1.0)
+    return law
+
+
+def max_error_against_target(law, P, vocab, n):
+    """max over sequences s of length n+1 of |Pr(verifier emits s, then the target continues) - Pr_target(s)|."""
+    index = {prefix: row for row, prefix in enumerate(all_prefixes(vocab, n))}
+    p = P.tolist()
+    worst = 0.0
+    for seq in itertools.product(range(vocab), repeat=n + 1):
+        step = [p[index[seq[:j]]][seq[j]] for j in range(n + 1)]
+        target = math.prod(step)
+        emitted = sum(law.get(seq[:m], 0.0) * math.prod(step[m:]) for m in range(1, n + 2))
+        worst = max(worst, abs(emitted - target))
+    return worst
+
+
+def sampled_block(P, Q, vocab, n, rows, gen):
+    """Draw `rows` draft chains d_i ~ q(. | d_<i) and run the real verify_sampled on them (float32)."""
+    drafts = torch.zeros(rows, 0, dtype=torch.long)
+    for _ in range(n):
+        q_rows = Q[prefix_rows(drafts, vocab)[:, -1]]
+        drafts = torch.cat([drafts, sd.sample_from(q_rows, torch.rand(rows, generator=gen))[:, None]], 1)
+    where = prefix_rows(drafts, vocab)
+    p, q = P[where].float(), Q[where[:, :n]].float()
+    return sd.verify_sampled(drafts, q, p, torch.rand(rows, n, generator=gen), torch.rand(rows, generator=gen))
+
+
+def outcome_codes(tokens, vocab):
+    """One integer per emitted tuple (padding -1 counts as digit 0): [rows, n+1] -> [rows]."""
+    weights = (vocab + 1) ** torch.arange(tokens.shape[-1])
+    return ((tokens + 1) * weights).sum(-1)
+
+
+def total_variation(codes, law, vocab, n):
+    """TV between the empirical law of codes and `law`, and a bound it stays under w.p. >= 1 - exp(-40).
+
+    E[TV] <= 1/2 sum_k sqrt(p_k / N), and TV moves by at most 1/N per sample, so by McDiarmid
+    P(TV > E[TV] + t) <= exp(-2 N t^2) = exp(-40) at t = 0.01, N = 200k.
+    """
+    rows = codes.shape[0]
+    keys = torch.tensor([list(k) + [-1] * (n + 1 - len(k)) for k in law])
+    exact = dict(zip(outcome_codes(keys, vocab).tolist(), law.values()))
+    found, counts = codes.unique(return_counts=True)
+    empirical = dict(zip(found.tolist(), (counts / rows).tolist()))
+    tv = 0.5 * sum(abs(empirical.get(k, 0.0) - exact.get(k, 0.0)) for k in exact.keys() | empirical.keys())
+    bound = 0.5 * sum(math.sqrt(v / rows) for v in exact.values()) + math.sqrt(40 / (2 * rows))
+    return tv, bound
+
+
+def first_token_law(law, vocab):
+    """Marginal law of the first emitted token, as a one-token `law`."""
+    first = {}
+    for k, v in law.items():
+        first[k[:1]] = first.get(k[:1], 0.0) + v
+    return first
+
+
+toy_settings = st.fixed_dictionaries(
+    {
+        "vocab": st.integers(2, 6),
+        "n": st.integers(1, 3),
+        "temperature": st.floats(0.3, 2.0),
+        "top_k": st.integers(0, 6),
+        "top_p": st.one_of(st.just(1.0), st.floats(0.2, 1.0)),
+        "walk": st.sampled_from(["sampled", "greedy"]),
+        "support": st.integers(1, 6),
+        "seed": st.integers(0, 2**31 - 1),
+    }
+)
+
+
+def build_toy(cfg):
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    vocab, n = cfg["vocab"], cfg["n"]
+    P = toy_target(vocab, n, cfg["temperature"], cfg["top_k"], cfg["top_p"], gen)
+    Q = toy_proposal(vocab, n, cfg["walk"], min(cfg["support"], vocab), gen)
+    return P, Q, gen
+
+
+# --- sampling preserves the target distribution ---
+
+
+@settings(FAST, max_examples=150)
+@given(toy_settings)
+def test_sampling_preserves_target_distribution(cfg):
+    P, Q, _ = build_toy(cfg)
+    vocab, n = cfg["vocab"], cfg["n"]
+    law = exact_verification_law(P, Q, vocab, n)
+    assert abs(sum(law.values()) - 1) < 1e-12
+    assert max_error_against_target(law, P, vocab, n) < 1e-9
+
+
+@settings(FAST, max_examples=6)
+@given(toy_settings)
+def test_verify_sampled_matches_exact_law(cfg):
+    P, Q, gen = build_toy(cfg)
+    vocab, n = cfg["vocab"], cfg["n"]
+    num_accepted, out_tokens = sampled_block(P, Q, vocab, n, MC_ROWS, gen)
+    law = exact_verification_law(P, Q, vocab, n)
+    positions = torch.arange(n + 1)
+    assert ((out_tokens >= 0) == (positions <= num_accepted[:, None])).all()
+    tv, bound = total_variation(outcome_codes(out_tokens, vocab), law, vocab, n)
+    assert tv < bound
+    tv, bound = total_variation(outcome_codes(out_tokens[:, :1], vocab), first_token_law(law, vocab), vocab, 0)
+    assert tv < bound
+
+
+# --- negative controls: planted bugs that both checks must catch ---
+
+
+def always_accept(p_draft, q_draft):
+    return torch.ones_like(p_draft)
+
+
+def residual_is_target(p, q):
+    return p
+
+
+@pytest.mark.parametrize("walk", ["sampled", "greedy"])
+@pytest.mark.parametrize("helper, mutant", [("acceptance_probability", always_accept), ("residual_distribution", residual_is_target)])
+def test_checks_detect_broken_verifier(monkeypatch, walk, helper, mutant):
+    cfg = dict(vocab=4, n=2, temperature=1.0, top_k=3, top_p=0.95, walk=walk, support=3, seed=1)
+    P, Q, gen = build_toy(cfg)
+    monkeypatch.setattr(sd, helper, mutant)
+    law = exact_verification_law(P, Q, 4, 2)
+    assert max_error_against_target(law, P, 4, 2) > 1e-2
+    # Monte Carlo against the correct law: restore the helper only for the reference enumeration.
+    _, out_tokens = sampled_block(P, Q, 4, 2, MC_ROWS, gen)
+    monkeypatch.undo()
+    tv, bound = total_variation(outcome_codes(out_tokens, 4), exact_verification_law(P, Q, 4, 2), 4, 2)
+    assert tv > 2 * bound
+
+
+# --- greedy ---
+
+
+def brute_force_greedy(draft_ids, target_logits):
+    best = target_logits.argmax(-1).tolist()
+    results = []
+    for drafts, row in zip(draft_ids.tolist(), best):
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == row[accepted]:
+            accepted += 1
+        results.append((accepted, drafts[:accepted] + [row[accepted]]))
+    return results
+
+
+@settings(FAST, max_examples=40)
+@given(
+    n=st.integers(1, 7),
+    vocab=st.integers(2, 40),
+    extra_rows=st.integers(0, 4),
+    data=st.data(),
+)
+def test_greedy_matches_target(n, vocab, extra_rows, data):
+    # Every acceptance length 0..n appears at least once, in a ragged batch.
+    lengths = data.draw(st.permutations(list(range(n + 1)) + [data.draw(st.integers(0, n)) for _ in range(extra_rows)]))
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    target_logits = torch.randn(len(lengths), n + 1, vocab, generator=gen)
+    best = target_logits.argmax(-1)
+    draft_ids = torch.randint(vocab, (len(lengths), n), generator=gen)
+    for row, length in enumerate(lengths):
+        draft_ids[row, :length] = best[row, :length]
+        if length < n:
+            draft_ids[row, length] = (best[row, length] + data.draw(st.integers(1, vocab - 1))) % vocab
+    num_accepted, out_tokens = sd.verify_greedy(draft_ids, target_logits)
+    assert num_accepted.tolist() == lengths
+    for row, (accepted, emitted) in enumerate(brute_force_greedy(draft_ids, target_logits)):
+        assert out_tokens[row].tolist() == emitted + [-1] * (n - accepted)
+
+
+# --- process_logits and sample_from ---
+
+
+def brute_force_process_logits(row, temperature, top_k, top_p):
+    """One row by the definition; returns (probs, distance of the nucleus boundary from top_p)."""
+    z = [x / temperature for x in row]
+    if top_k:
+        kth = sorted(z, reverse=True)[min(top_k, len(z)) - 1]
+        z = [x if x >= kth else -math.inf for x in z]
+    top = max(z)
+    e = [math.exp(x - top) for x in z]
+    probs = [x / sum(e) for x in e]
+    margin = math.inf
+    if top_p < 1:
+        kept, mass = set(), 0.0
+        for t in sorted(range(len(probs)), key=lambda t: -probs[t]):
+            if mass >= top_p:
+                break
+            kept.add(t)
+            mass += probs[t]
+            margin = min(margin, abs(mass - top_p))
+        probs = [x if t in kept else 0.0 for t, x in enumerate(probs)]
+        probs = [x / sum(probs) for x in probs]
+    return probs, margin
+
+
+@settings(FAST, max_examples=80)
+@given(
+    rows=st.integers(1, 4),
+    vocab=st.integers(1, 30),
+    temperature=st.floats(0.1, 3.0),
+    top_k=st.integers(0, 35),
+    top_p=st.one_of(st.just(1.0), st.floats(1e-3, 1.0)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_process_logits_matches_definition(rows, vocab, temperature, top_k, top_p, seed):
+    logits = 3 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    probs = sd.process_logits(logits, temperature, top_k, top_p)
+    for got, row in zip(probs.tolist(), logits.tolist()):
+        want, margin = brute_force_process_logits(row, temperature, top_k, top_p)
+        assume(margin > 1e-9)  # a nucleus boundary exactly at top_p is a tie
+        assert got == pytest.approx(want, abs=1e-12)
+        kept = [p for p in got if p > 0]
+        if top_k and top_p == 1:
+            assert len(kept) == min(top_k, vocab)
+        if top_p < 1:
+            unfiltered = sd.process_logits(torch.tensor(row, dtype=torch.float64), temperature, top_k)
+            mass = unfiltered[torch.tensor(got) > 0].sum().item()
+            assert mass >= top_p - 1e-12 and mass - unfiltered[torch.tensor(got) > 0].min().item() < top_p
+
+
+@pytest.mark.parametrize(
+    "temperature, top_p, top_k, name",
+    [(-0.5, 1.0, 0, "temperature"), (math.nan, 1.0, 0, "temperature"), (1.0, 0.0, 0, "top_p"), (1.0, 1.5, 0, "top_p"), (1.0, 0.9, -1, "top_k")],
+)
+def test_sampling_params_are_validated(temperature, top_p, top_k, name):
+    with pytest.raises(ValueError, match=name):
+        sd.check_sampling_params(temperature, top_p, top_k)
+    with pytest.raises(ValueError, match=name):
+        sd.process_logits(torch.zeros(3), temperature, top_k, top_p)
+
+
+def test_process_logits_rejects_greedy_temperature():
+    sd.check_sampling_params(0.0, 1.0, 0)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        sd.process_logits(torch.zeros(3), 0.0)
+
+
+def test_sample_from_inverts_the_cdf():
+    probs = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0, 0.0])  # unnormalised, zero head and tail
+    # u = 1 stands for u * total rounding up to total: it must not reach the zero tail.
+    u = torch.tensor([0.0, 0.49, 0.5, 0.74, 0.75, 0.999, 1.0])
+    assert sd.sample_from(probs.expand(len(u), -1), u).tolist() == [1, 1, 3, 3, 4, 4, 4]
