@@ -184,6 +184,17 @@ def test_missing_or_corrupt_files_name_the_path(config, tmp_path):
         DFlash2Drafter.from_pretrained(tmp_path / "no_such_dir")
 
 
+def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(OSError, match="some-org/some-drafter"):
+        DFlash2Drafter.from_pretrained("some-org/some-drafter")
+
+
 # -- dynamic convolution --------------------------------------------------------------------
 
 class NoConv(nn.Module):
@@ -310,6 +321,14 @@ def test_context_outside_sliding_window_is_ignored(config):
         h3 = model(block, block_positions, model.context_kv(changed, positions), valid)
     assert torch.equal(h, h2)
     assert not torch.allclose(h[:, -1], h3[:, -1])
+
+
+def test_flex_backend_matches_sdpa(config):
+    model = randomize(DFlash2Drafter(config))
+    with torch.no_grad():  # FlexAttention has no CPU backward
+        h = draft(model, config, L=20)
+        model.attn_backend = "flex"
+        torch.testing.assert_close(draft(model, config, L=20), h, atol=1e-5, rtol=1e-5)
 
 
 def test_embed_block_and_draft_logits(config):
