@@ -4,8 +4,13 @@ Everything here stays on the device: randomness comes in as uniform tensors draw
 caller (`torch.rand(..., generator=g)`), so no step needs a host sync and a run can be replayed.
 """
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from model import dflash1_walk
 
 # --- sampling and verification math ---
 
@@ -109,3 +114,368 @@ def verify_sampled(draft_ids, q, p, u_accept, u_emit):
     out_tokens = torch.where(positions < num_accepted[:, None], F.pad(draft_ids, (0, 1), value=-1), -1)
     out_tokens = torch.where(positions == num_accepted[:, None], emitted[:, None], out_tokens)
     return num_accepted, out_tokens
+
+
+# --- target adapter: any transformers causal LM behind a per-row slot cache ---
+
+
+class SlotCacheLayer(CacheLayerMixin):
+    """Static K/V buffer where slot j always holds absolute position j of that row.
+
+    Rows advance by different amounts each step, so writes go to each row's own positions;
+    slots past a row's committed length hold stale drafts, but they always lie in the future
+    of every query (causal mask by position), and the next write overwrites them.
+    """
+
+    is_compileable = True
+
+    def __init__(self, cache):
+        super().__init__()
+        self.cache = cache
+        self.idx_keys = None
+
+    def lazy_initialization(self, key_states, value_states):
+        b, h, _, d = key_states.shape
+        shape = (b, h, self.cache.max_len, d)
+        self.keys = key_states.new_zeros(shape)
+        self.values = value_states.new_zeros(shape[:3] + (value_states.shape[-1],))
+        self.is_initialized = True
+
+    def _write(self, buf, new):
+        pos = self.cache.write_positions
+        idx = pos[:, None, :, None].expand(new.shape[0], new.shape[1], pos.shape[1], new.shape[-1])
+        buf.scatter_(2, idx, new.to(buf.dtype))
+        return buf[:, :, : self.cache.view_len]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self._write(self.keys, key_states), self._write(self.values, value_states)
+
+    def update_index(self, idx_k):
+        """MiniMax-M3 sparse layers also cache their indexer keys."""
+        if self.idx_keys is None:
+            self.idx_keys = idx_k.new_zeros(idx_k.shape[:2] + (self.cache.max_len, idx_k.shape[-1]))
+        return self._write(self.idx_keys, idx_k)
+
+    update_indexer = update_index
+
+    def get_mask_sizes(self, query_length, *args):
+        return self.cache.view_len, 0
+
+    def get_seq_length(self):
+        return self.cache.view_len
+
+    def get_max_length(self):
+        return self.cache.max_len
+
+    def select_rows(self, rows):
+        for name in ("keys", "values", "idx_keys"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).index_select(0, rows))
+
+
+class SlotCache(Cache):
+    """The target's KV cache for ragged batches: one SlotCacheLayer per decoder layer."""
+
+    def __init__(self, num_layers, max_len):
+        self.max_len = max_len
+        self.write_positions = None
+        self.view_len = 0
+        super().__init__(layers=[SlotCacheLayer(self) for _ in range(num_layers)])
+
+    def select_rows(self, rows):
+        for layer in self.layers:
+            layer.select_rows(rows)
+
+
+def _map_minimax_m3(config_dict):
+    """Hub MiniMax-M3 configs say model_type "minimax_m3"; transformers has its text part as
+    minimax_m3_vl_text. Partial RoPE must survive the mapping (SPEC §7): rotary_dim -> partial_rotary_factor."""
+    d = dict(config_dict.get("text_config", config_dict))
+    d["model_type"] = "minimax_m3_vl_text"
+    d.pop("architectures", None)
+    rope = dict(d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.get("rope_theta", 5e6)})
+    if "partial_rotary_factor" not in rope:
+        factor = d.get("partial_rotary_factor") or d.get("rotary_dim", 64) / d.get("head_dim", 128)
+        rope["partial_rotary_factor"] = factor
+    d["rope_parameters"] = rope
+    return d
+
+
+def fix_partial_rotary(model):
+    """transformers' minimax_m3_vl_text reads only rope_parameters["partial_rotary_factor"] and ignores its
+    own rotary_dim field, so a config without the factor silently runs full RoPE (SPEC §7). Restore the
+    factor from rotary_dim and rebuild the rotary tables. Returns True when it had to fix something."""
+    config = getattr(model.config, "text_config", model.config)
+    rotary_dim = getattr(config, "rotary_dim", None)
+    rope = getattr(config, "rope_parameters", None)
+    if not rotary_dim or not isinstance(rope, dict) or "partial_rotary_factor" in rope:
+        return False
+    rope["partial_rotary_factor"] = rotary_dim / config.head_dim
+    base = model.get_decoder()
+    old = base.rotary_emb
+    base.rotary_emb = type(old)(config=config).to(old.inv_freq.device)
+    return True
+
+
+class Target:
+    """A causal LM seen as: forward(ids, positions, cache) -> logits and tapped hidden states.
+
+    Tapped features are hidden_states[l + 1] (the output of decoder layer l) for l in layer_ids,
+    concatenated on the feature axis: exactly the drafter's context input (SPEC §3).
+    """
+
+    def __init__(self, model, layer_ids=()):
+        self.model = model.eval()
+        fix_partial_rotary(model)
+        self.layer_ids = list(layer_ids)
+        cfg = getattr(model.config, "text_config", model.config)
+        self.num_layers = cfg.num_hidden_layers
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        bad = [l for l in self.layer_ids if not 0 <= l < self.num_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} out of range for a target with {self.num_layers} layers")
+
+    @property
+    def embed_tokens(self):
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head_weight(self):
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def device(self):
+        return self.lm_head_weight.device
+
+    def new_cache(self, max_len):
+        return SlotCache(self.num_layers, max_len)
+
+    @torch.no_grad()
+    def forward(self, ids, positions, cache, view_len):
+        """ids, positions [b, T]; writes K/V at those positions; keys visible iff slot <= query position.
+
+        view_len bounds the slots attended (>= max position + 1). Returns logits [b, T, V] (float32)
+        and features [b, T, n*H] (empty when no layers are tapped).
+        """
+        cache.write_positions = positions
+        cache.view_len = view_len
+        slots = torch.arange(view_len, device=ids.device)
+        dtype = self.lm_head_weight.dtype
+        visible = slots[None, None, None, :] <= positions[:, None, :, None]
+        mask = torch.zeros(visible.shape, dtype=dtype, device=ids.device).masked_fill(~visible, torch.finfo(dtype).min)
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache,
+                         use_cache=True, output_hidden_states=bool(self.layer_ids))
+        if self.layer_ids:
+            feats = torch.cat([out.hidden_states[l + 1] for l in self.layer_ids], dim=-1)
+        else:
+            feats = ids.new_zeros(ids.shape + (0,), dtype=dtype)
+        return out.logits.float(), feats
+
+
+# --- the draft -> select -> verify loop ---
+
+
+class DraftContext:
+    """The drafter's KV cache: context K/V only, slot j = position j, per layer [b, kv_heads, max_len, hd].
+
+    A row's context is every slot before its anchor; rejected drafts' rows are written too but
+    stay invisible (slot >= anchor position) until overwritten, so no crop is needed.
+    """
+
+    def __init__(self, drafter, batch, max_len, device):
+        cfg = drafter.config
+        self.drafter = drafter
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        dtype = next(drafter.parameters()).dtype
+        self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                   for _ in range(cfg.num_hidden_layers)]
+
+    def write(self, features, positions):
+        new = self.drafter.context_kv(features.to(self.kv[0][0].dtype), positions)
+        idx = positions[:, None, :, None].expand(-1, self.kv[0][0].shape[1], -1, self.kv[0][0].shape[-1])
+        for (k, v), (nk, nv) in zip(self.kv, new):
+            k.scatter_(2, idx, nk)
+            v.scatter_(2, idx, nv)
+
+    def view(self, length):
+        return [(k[:, :, :length], v[:, :, :length]) for k, v in self.kv]
+
+    def select_rows(self, rows):
+        self.kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.kv]
+
+
+def draft_block(drafter, target, ctx, anchor, pos, ctx_len, block_size, method, temperature, generator):
+    """One drafter pass over [anchor, MASK x (B-1)] at positions pos..pos+B-1, then the path.
+
+    dflash2: top-K candidates per slot, edge scores, left-to-right walk (SPEC §4); dflash: per-slot
+    argmax (or per-slot sample) of the draft logits. Returns drafts [b, B-1], proposals q [b, B-1, V]
+    (one-hot for greedy walks), and the candidates with their draft logits (for traces).
+    """
+    block_pos = pos[:, None] + torch.arange(block_size, device=pos.device)
+    dtype = next(drafter.parameters()).dtype
+    embeds = drafter.embed_block(anchor, target.embed_tokens, block_size).to(dtype)
+    slots = torch.arange(ctx_len, device=pos.device)
+    h = drafter(embeds, block_pos, ctx.view(ctx_len), slots[None, :] < pos[:, None])[:, 1:]
+    U = drafter.draft_logits(h.to(target.lm_head_weight.dtype), target.lm_head_weight)
+    selector = drafter.candidate_selector
+    cand_ids, cand_logits = selector.candidates(U, selector.top_k)
+    if method == "dflash":
+        drafts, q = dflash1_walk(U, temperature, generator)
+    else:
+        drafts, q = selector.walk(selector.edge_scores(h, U, cand_ids, anchor), cand_ids, temperature, generator)
+    return drafts, q, cand_ids, cand_logits
+
+
+@dataclass
+class Result:
+    """One request's output and its statistics (the prefill counts as the first verification step)."""
+
+    tokens: list = field(default_factory=list)
+    verify_steps: int = 0
+    accepted: list = field(default_factory=list)  # drafts accepted at each verification step
+    finished_by_stop: bool = False
+
+    @property
+    def acceptance_length(self):
+        """tau = completion tokens / verification steps, 1 <= tau <= block size."""
+        return len(self.tokens) / max(self.verify_steps, 1)
+
+
+METHODS = ("dflash2", "dflash", "ar")
+
+
+@torch.inference_mode()
+def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, temperature=0.0, top_k=0,
+             top_p=1.0, seed=0, stop_ids=(), block_size=None, on_emit=None, propose=None, trace=None):
+    """Speculative decoding of a batch of prompts (lists of token ids) with a ragged per-row state.
+
+    Per step: draft block -> top-K candidates -> selector walk -> one target forward over
+    [anchor, drafts] -> verification -> emit accepted + 1 tokens. `method="ar"` runs the same
+    cache code with no drafts. `propose(anchor, pos, rows) -> (drafts, q)` replaces the drafter
+    (tests use it to force chosen acceptance patterns). `on_emit(request, tokens)` streams output.
+    `trace(record)` receives every step's tensors (see trace_records); tracing adds host copies.
+    Returns one Result per prompt.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_sampling_params(temperature, top_p, top_k)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must contain at least one token")
+    if method == "ar":
+        B = 1
+    else:
+        if drafter is None and propose is None:
+            raise ValueError(f"method {method!r} needs a drafter")
+        B = block_size or (drafter.config.block_size if drafter is not None else 8)
+        if drafter is not None and not 2 <= B <= drafter.config.block_size:
+            raise ValueError(f"block_size must be in [2, {drafter.config.block_size}] (the drafter's), got {B}")
+    device = target.device
+    lens = torch.tensor([len(p) for p in prompts])
+    max_len = int(lens.max()) + max_new_tokens + B + 1
+    limit = getattr(getattr(target.model.config, "text_config", target.model.config), "max_position_embeddings", None)
+    if limit is not None and max_len > limit:
+        raise ValueError(f"prompt too long: {int(lens.max())} prompt tokens + {max_new_tokens} new tokens + block "
+                         f"{B} exceed the target's context of {limit} positions")
+    stop_ids = set(stop_ids)
+    g = torch.Generator(device=device).manual_seed(seed)
+    sampled = temperature > 0
+    results = [Result() for _ in prompts]
+    rows = torch.arange(len(prompts))  # row -> request index; shrinks as requests finish
+
+    # Prefill: right-padded prompts; pad slots lie in the future of every real query.
+    ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    ids, pos = ids.to(device), lens.to(device)
+    positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    cache = target.new_cache(max_len)
+    logits, feats = target.forward(ids, positions, cache, ids.shape[1])
+    last = logits.gather(1, (pos - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1)
+    if sampled:
+        u = torch.rand(len(prompts), generator=g, device=device)
+        anchor = sample_from(process_logits(last, temperature, top_k, top_p), u)
+    else:
+        anchor = last.argmax(-1)
+    ctx = None
+    if method != "ar" and drafter is not None:
+        ctx = DraftContext(drafter, len(prompts), max_len, device)
+        ctx.write(feats, positions)
+    host_anchor = anchor.cpu()  # host sync of the prefill
+    host_pos = lens.clone()
+    alive = []
+    for r, req in enumerate(rows.tolist()):
+        alive.append(_emit(results[req], [int(host_anchor[r])], max_new_tokens, stop_ids, on_emit, req))
+        results[req].verify_steps = 1
+
+    while True:
+        keep = torch.tensor([r for r, a in enumerate(alive) if a], dtype=torch.long)
+        if len(keep) == 0:
+            break
+        if len(keep) < len(alive):  # drop finished rows so they cost nothing
+            rows, host_pos = rows[keep], host_pos[keep]
+            dkeep = keep.to(device)
+            anchor, pos = anchor[dkeep], pos[dkeep]
+            cache.select_rows(dkeep)
+            if ctx is not None:
+                ctx.select_rows(dkeep)
+        b = len(rows)
+        view_len = int(host_pos.max()) + B
+        cands = None
+        if B == 1:
+            drafts = anchor.new_zeros(b, 0)
+            q = torch.zeros(b, 0, target.vocab_size, device=device)
+        elif propose is not None:
+            drafts, q = propose(anchor, pos, rows)
+        else:
+            drafts, q, *cands = draft_block(drafter, target, ctx, anchor, pos, int(host_pos.max()), B, method,
+                                            temperature, g)
+        block_pos = pos[:, None] + torch.arange(B, device=device)
+        logits, feats = target.forward(torch.cat([anchor[:, None], drafts], 1), block_pos, cache, view_len)
+        u_accept = u_emit = None
+        if sampled:
+            u_accept = torch.rand(b, B - 1, generator=g, device=device)
+            u_emit = torch.rand(b, generator=g, device=device)
+            p = process_logits(logits, temperature, top_k, top_p)
+            num_accepted, out = verify_sampled(drafts, q.to(p.dtype), p, u_accept, u_emit)
+        else:
+            num_accepted, out = verify_greedy(drafts, logits)
+        if trace is not None:
+            trace(dict(requests=rows.tolist(), steps=[results[r].verify_steps for r in rows.tolist()],
+                       anchor_pos=pos.tolist(), anchor=anchor.tolist(), drafts=drafts, q=q, candidates=cands,
+                       target_argmax=logits.argmax(-1), u_accept=u_accept, u_emit=u_emit,
+                       num_accepted=num_accepted, out=out))
+        if ctx is not None:
+            ctx.write(feats, block_pos)
+        anchor = out.gather(1, num_accepted[:, None]).squeeze(1)
+        pos = pos + num_accepted + 1
+        host = torch.cat([num_accepted[:, None], out], 1).cpu()  # the one host sync per step
+        alive = []
+        for r, req in enumerate(rows.tolist()):
+            a = int(host[r, 0])
+            res = results[req]
+            res.verify_steps += 1
+            res.accepted.append(a)
+            host_pos[r] += a + 1
+            alive.append(_emit(res, host[r, 1 : a + 2].tolist(), max_new_tokens, stop_ids, on_emit, req))
+    return results
+
+
+def _emit(res, tokens, max_new_tokens, stop_ids, on_emit, req):
+    """Append tokens up to a stop token (kept) or max_new_tokens; returns whether the request goes on."""
+    out = []
+    for t in tokens:
+        if len(res.tokens) + len(out) >= max_new_tokens:
+            break
+        out.append(t)
+        if t in stop_ids:
+            res.finished_by_stop = True
+            break
+    res.tokens.extend(out)
+    if on_emit is not None and out:
+        on_emit(req, out)
+    return not res.finished_by_stop and len(res.tokens) < max_new_tokens

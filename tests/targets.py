@@ -1,0 +1,63 @@
+"""Tiny random targets of the three architecture families the loop must serve, plus a matching drafter."""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM
+from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+from model import DFlash2Drafter, tiny_glm_config
+
+ARCHS = ("llama", "minimax_m2", "minimax_m3")
+
+
+def tiny_target(arch, vocab=64, hidden=32, layers=3, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(intermediate_size=64, **common))
+    elif arch == "minimax_m2":
+        model = MiniMaxM2ForCausalLM(MiniMaxM2Config(intermediate_size=32, head_dim=16, rotary_dim=8,
+                                                     num_local_experts=4, num_experts_per_tok=2, **common))
+    elif arch == "minimax_m3":
+        # Deployment-shaped: partial RoPE via rotary_dim, dense first layer, sparse (MSA) layers with a
+        # small index block so block selection is active on short sequences.
+        model = MiniMaxM3VLForCausalLM(MiniMaxM3VLTextConfig(
+            intermediate_size=32, dense_intermediate_size=64, shared_intermediate_size=32, head_dim=16,
+            rotary_dim=8, num_local_experts=4, num_experts_per_tok=2, index_n_heads=2, index_head_dim=8,
+            index_block_size=4, index_topk_blocks=2,
+            layer_types=["full_attention"] + ["minimax_m3_sparse"] * (layers - 1),
+            mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), **common))
+    else:
+        raise ValueError(arch)
+    # Random init gives near-uniform logits; sharpen them so greedy argmax gaps are far above rounding.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model.to(dtype).eval()
+
+
+def tiny_drafter(target_model, block_size=8, seed=1, top_k=4, layers=2, dtype=torch.float32):
+    cfg = target_model.config
+    torch.manual_seed(seed)
+    n_layers = cfg.num_hidden_layers
+    config = tiny_glm_config(hidden_size=cfg.hidden_size, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=cfg.vocab_size,
+                             num_target_layers=n_layers, target_layer_ids=list(range(n_layers))[:2],
+                             mask_token_id=cfg.vocab_size - 1, layer_types=["sliding_attention"] * layers,
+                             block_size=block_size, selector_top_k=top_k, conv_group_size=8, selector_rank=8)
+    drafter = DFlash2Drafter(config).to(dtype).eval()
+    with torch.no_grad():  # non-identity convolutions and a live selector, so every path is exercised
+        for p in drafter.parameters():
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.05)
+    return drafter
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt, n):
+    """The target's own greedy continuation, recomputed from scratch each token (no cache at all)."""
+    seq = list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor([seq])).logits[0, -1]
+        seq.append(int(logits.argmax()))
+    return seq[len(prompt):]

@@ -1,0 +1,149 @@
+"""The loop is lossless: greedy output equals the target's, token for token, for every batch shape."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import spec_decode as sd
+from targets import ARCHS, reference_greedy, tiny_drafter, tiny_target
+
+_cache = {}
+
+
+def pair(arch, block_size=8):
+    key = (arch, block_size)
+    if key not in _cache:
+        model = tiny_target(arch)
+        drafter = tiny_drafter(model, block_size)
+        _cache[key] = (model, sd.Target(model, drafter.config.target_layer_ids), drafter)
+    return _cache[key]
+
+
+prompts_st = st.lists(st.lists(st.integers(0, 62), min_size=1, max_size=12), min_size=1, max_size=4)
+SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@SETTINGS
+@given(prompts=prompts_st, block_size=st.integers(2, 8), method=st.sampled_from(["dflash2", "dflash", "ar"]),
+       n=st.integers(1, 12))
+def test_greedy_matches_target(arch, prompts, block_size, method, n):
+    model, target, drafter = pair(arch)
+    results = sd.generate(target, drafter, prompts, method=method, max_new_tokens=n, block_size=block_size)
+    for prompt, res in zip(prompts, results):
+        assert res.tokens == reference_greedy(model, prompt, n)
+        assert 1 <= res.acceptance_length <= (1 if method == "ar" else block_size)
+
+
+def injecting_proposer(model, prompts, refs, patterns, block_size, vocab, log):
+    """A drafter stand-in: proposes the target's own next tokens for k slots, then a wrong token.
+
+    k for (request, step) comes from the Hypothesis-chosen pattern of that request.
+    """
+    steps = {}
+
+    def propose(anchor, pos, rows):
+        drafts = []
+        for r, req in enumerate(rows.tolist()):
+            k = patterns[req][steps.get(req, 0) % len(patterns[req])]
+            steps[req] = steps.get(req, 0) + 1
+            full = list(prompts[req]) + refs[req]
+            p = int(pos[r])
+            truth = full[p + 1 : p + block_size]
+            row = [truth[j] if j < k else (truth[j] + 1) % vocab for j in range(block_size - 1)]
+            drafts.append(row)
+            log.setdefault(req, []).append(k)
+        drafts = torch.tensor(drafts, device=anchor.device)
+        return drafts, torch.nn.functional.one_hot(drafts, vocab).float()
+
+    return propose
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@SETTINGS
+@given(data=st.data(), block_size=st.integers(2, 8), batch=st.integers(1, 4))
+def test_every_acceptance_length_is_exact(arch, data, block_size, batch):
+    """Proposal injection forces each acceptance length 0..B-1, ragged across rows; output stays exact."""
+    model, target, _ = pair(arch)
+    vocab = model.config.vocab_size
+    prompts = data.draw(st.lists(st.lists(st.integers(0, vocab - 2), min_size=1, max_size=10),
+                                 min_size=batch, max_size=batch))
+    patterns = [data.draw(st.permutations(range(block_size))) for _ in range(batch)]
+    n = 4 * block_size * block_size  # long enough that every pattern entry is used
+    refs = [reference_greedy(model, p, n + block_size) for p in prompts]
+    log = {}
+    propose = injecting_proposer(model, prompts, refs, patterns, block_size, vocab, log)
+    results = sd.generate(target, None, prompts, method="dflash2", max_new_tokens=n, block_size=block_size,
+                          propose=propose)
+    for req, res in enumerate(results):
+        assert res.tokens == refs[req][:n]
+        # Each step accepts exactly what was injected (the last step may be cut by max_new_tokens).
+        assert res.accepted[:-1] == log[req][: len(res.accepted) - 1]
+        assert set(res.accepted[:-1]) == set(range(block_size))
+
+
+@pytest.mark.parametrize("arch", ["llama", "minimax_m3"])
+def test_batch_of_mixed_lengths_equals_each_alone(arch):
+    model, target, drafter = pair(arch)
+    prompts = [[1, 2, 3], list(range(5, 20)), [7], [9, 9, 8, 8, 7, 7, 6]]
+    batch = sd.generate(target, drafter, prompts, max_new_tokens=20)
+    for p, res in zip(prompts, batch):
+        alone = sd.generate(target, drafter, [p], max_new_tokens=20)[0]
+        assert res.tokens == alone.tokens and res.accepted == alone.accepted
+
+
+def test_stop_token_ends_output_inside_an_accepted_run():
+    model, target, drafter = pair("llama")
+    prompt = [3, 1, 4, 1, 5]
+    ref = reference_greedy(model, prompt, 40)
+    for j in (0, 5, 17):
+        stop = ref[j]
+        first = ref.index(stop)
+        log = {}
+        propose = injecting_proposer(model, [prompt], [ref + [0] * 10], [[7]], 8, model.config.vocab_size, log)
+        res = sd.generate(target, None, [prompt], max_new_tokens=40, stop_ids=[stop], propose=propose)[0]
+        assert res.tokens == ref[: first + 1] and res.finished_by_stop
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 30), block_size=st.integers(2, 8))
+def test_max_new_tokens_is_never_exceeded(n, block_size):
+    model, target, _ = pair("llama")
+    prompt = [2, 7, 1, 8]
+    ref = reference_greedy(model, prompt, n + 8)
+    propose = injecting_proposer(model, [prompt], [ref], [[block_size - 1]], block_size, 64, {})
+    res = sd.generate(target, None, [prompt], max_new_tokens=n, block_size=block_size, propose=propose)[0]
+    assert res.tokens == ref[:n]
+
+
+def test_same_seed_same_sample():
+    model, target, drafter = pair("llama")
+    prompts = [[1, 2, 3], [4, 5]]
+    a = sd.generate(target, drafter, prompts, max_new_tokens=16, temperature=1.0, top_p=0.9, seed=3)
+    b = sd.generate(target, drafter, prompts, max_new_tokens=16, temperature=1.0, top_p=0.9, seed=3)
+    c = sd.generate(target, drafter, prompts, max_new_tokens=16, temperature=1.0, top_p=0.9, seed=4)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert [r.tokens for r in a] != [r.tokens for r in c]
+
+
+def test_partial_rotary_is_honoured_for_minimax_m3():
+    """transformers' minimax_m3_vl_text ignores rotary_dim unless the factor is in rope_parameters."""
+    model = tiny_target("minimax_m3")
+    assert "partial_rotary_factor" not in model.config.rope_parameters
+    before = model.model.rotary_emb.inv_freq.numel()
+    sd.Target(model, [0])
+    after = model.model.rotary_emb.inv_freq.numel()
+    assert before == model.config.head_dim // 2 and after == model.config.rotary_dim // 2
+
+
+def test_bad_inputs_are_named():
+    model, target, drafter = pair("llama")
+    with pytest.raises(ValueError, match="temperature"):
+        sd.generate(target, drafter, [[1]], temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        sd.generate(target, drafter, [[1]], temperature=1, top_p=0)
+    with pytest.raises(ValueError, match="block_size"):
+        sd.generate(target, drafter, [[1]], block_size=9)
+    with pytest.raises(ValueError, match="prompt too long"):
+        sd.generate(target, drafter, [[1] * 500], max_new_tokens=20)
+    with pytest.raises(ValueError, match="at least one token"):
+        sd.generate(target, drafter, [[]])
