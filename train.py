@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from model import load_target
+from model import DFlash2Config, DFlash2Drafter, load_target
 
 GSM8K_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_WRAP = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
@@ -103,7 +103,7 @@ def generate_with_features(model, prompts: list[list[int]], taps: list[int], max
     done = torch.zeros(b, dtype=torch.bool)
     inp, pos = ids, (mask.cumsum(-1) - 1).clamp(min=0)
     for _ in range(max_new_tokens):
-        out = model(input_ids=inp, attention_mask=mask, position_ids=pos, past_key_values=cache,
+        out = model(input_ids=inp, attention_mask=mask, position_ids=pos, cache=cache,
                     use_cache=True, output_hidden_states=True)
         tapped = torch.cat([out.hidden_states[l + 1] for l in taps], dim=-1).to(torch.bfloat16)
         nxt = out.logits[:, -1].argmax(-1)
@@ -149,6 +149,172 @@ def make_data(args):
         path.with_suffix(".tmp").rename(path)
 
 
+
+# --------------------------------------------------------------------------- training
+
+def load_shards(data_dir: Path):
+    """All self-distilled sequences: (token ids [L], features [L-1, n*H] bf16, prompt length)."""
+    seqs = []
+    for path in sorted(Path(data_dir).glob("shard_*.pt")):
+        shard = torch.load(path)
+        seqs += [(i, f, p) for i, f, p in zip(shard["ids"], shard["features"], shard["prompt_lens"])
+                 if len(i) >= p + 2]
+    if not seqs:
+        raise FileNotFoundError(f"no training shards in {data_dir}: run `python train.py data` first")
+    return seqs
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for draft slots k = 1..B-1 (SPEC §6): early slots matter most."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def default_gamma(block_size: int) -> float:
+    """DFlash's decay: 4 for block 8, 5 for 10, 7 for 16 (linear in between)."""
+    return {8: 4.0, 10: 5.0, 16: 7.0}.get(block_size, 4.0 + 3.0 * (block_size - 8) / 8)
+
+
+def make_batch(seqs, block_size, anchors_per_seq, mask_token_id, generator):
+    """Random anchors in each response; block = anchor + masks; context = everything before the anchor.
+
+    Returns padded context features [S, L, n*H], per-block (sequence index, anchor position,
+    block ids [nb, B], gold ids [nb, B-1] with -100 past the end of the sequence).
+    """
+    width = max(len(f) for _, f, _ in seqs)
+    feats = torch.zeros(len(seqs), width, seqs[0][1].shape[-1])
+    seq_idx, anchor_pos, blocks, gold = [], [], [], []
+    for s, (ids, f, prompt_len) in enumerate(seqs):
+        feats[s, : len(f)] = f.float()
+        lo, hi = prompt_len, len(ids) - 2  # the first anchor at inference is the first generated token
+        n = min(anchors_per_seq, hi - lo + 1)
+        for a in (lo + torch.randperm(hi - lo + 1, generator=generator)[:n]).tolist():
+            seq_idx.append(s)
+            anchor_pos.append(a)
+            blocks.append([int(ids[a])] + [mask_token_id] * (block_size - 1))
+            g = ids[a + 1 : a + block_size].tolist()
+            gold.append(g + [-100] * (block_size - 1 - len(g)))
+    return feats, torch.tensor(seq_idx), torch.tensor(anchor_pos), torch.tensor(blocks), torch.tensor(gold)
+
+
+def drafter_loss(drafter, embed_tokens, lm_head_weight, batch, weights, selector_weight=1.0):
+    """Position-decayed CE over the draft slots + the selector's CE over its K candidates (SPEC §6).
+
+    Blocks never see each other: each block attends to its own sequence's context (slots before its
+    anchor) and to itself. Returns (loss, per-slot draft top-1 accuracy [B-1], selector accuracy).
+    """
+    feats, seq_idx, anchor_pos, blocks, gold = batch
+    S, L, _ = feats.shape
+    nb, B = blocks.shape
+    positions = torch.arange(L).expand(S, L)
+    ctx_kv = [(k[seq_idx], v[seq_idx]) for k, v in drafter.context_kv(feats, positions)]
+    ctx_valid = torch.arange(L)[None, :] < anchor_pos[:, None]
+    block_pos = anchor_pos[:, None] + torch.arange(B)
+    embeds = embed_tokens(blocks) * drafter.config.input_embedding_scale
+    h = drafter(embeds, block_pos, ctx_kv, ctx_valid)[:, 1:]
+    U = drafter.draft_logits(h, lm_head_weight)  # [nb, B-1, V]
+    valid = gold >= 0
+    ce = F.cross_entropy(U.flatten(0, 1), gold.flatten().clamp(min=0), reduction="none").view(nb, B - 1)
+    w = weights[None, :] * valid
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    acc = ((U.argmax(-1) == gold) & valid).sum(0).float() / valid.sum(0).clamp(min=1)
+
+    # Selector: candidates of each slot, gold predecessor teacher-forced (anchor for slot 1).
+    selector = drafter.candidate_selector
+    cand_ids, _ = selector.candidates(U.detach(), selector.top_k)
+    prev = torch.cat([blocks[:, :1], gold[:, :-1].clamp(min=0)], dim=1)  # [nb, B-1]
+    wh = selector.hidden_projection(h)
+    bilinear = torch.einsum("btr,btr,btkr->btk", wh, selector.predecessor_codebook[prev],
+                            selector.successor_codebook[cand_ids])
+    scores = U.gather(-1, cand_ids) + bilinear
+    hit = cand_ids == gold[..., None]
+    in_c = hit.any(-1) & valid
+    sel_ce = F.cross_entropy(scores[in_c], hit[in_c].float().argmax(-1)) if in_c.any() else U.sum() * 0
+    sel_acc = (scores.argmax(-1)[in_c] == hit[in_c].float().argmax(-1)).float().mean() if in_c.any() else torch.tensor(0.)
+    return loss + selector_weight * sel_ce, loss.detach(), sel_ce.detach(), acc, sel_acc
+
+
+def drafter_config_for(target_config, args) -> DFlash2Config:
+    """A drafter shaped after the target: same hidden size, heads and vocab (it shares embedding and LM head)."""
+    H = target_config.hidden_size
+    head_dim = getattr(target_config, "head_dim", None) or H // target_config.num_attention_heads
+    return DFlash2Config(
+        hidden_size=H, intermediate_size=args.intermediate_size, num_hidden_layers=args.layers,
+        num_attention_heads=target_config.num_attention_heads, num_key_value_heads=target_config.num_key_value_heads,
+        head_dim=head_dim, vocab_size=target_config.vocab_size,
+        num_target_layers=target_config.num_hidden_layers, target_layer_ids=args.taps,
+        mask_token_id=args.mask_token_id, rms_norm_eps=target_config.rms_norm_eps,
+        rope_theta=target_config.rope_parameters["rope_theta"], max_position_embeddings=target_config.max_position_embeddings,
+        layer_types=["sliding_attention"] * args.layers, sliding_window=2048, use_sliding_window=True,
+        block_size=args.block_size, selector_rank=args.rank, selector_top_k=args.top_k, dtype="bfloat16",
+        bos_token_id=target_config.bos_token_id, eos_token_id=target_config.eos_token_id)
+
+
+def lr_at(step, total, warmup, peak):
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train(args, target=None):
+    """Fit a drafter on `args.out`/data; checkpoints to `args.out`/drafter (published format)."""
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    meta = json.loads((out / "data" / "meta.json").read_text())
+    args.taps = meta["taps"]
+    if target is None:
+        target, _ = load_target(meta["target"])
+    for p in target.parameters():
+        p.requires_grad_(False)  # frozen: the drafter shares its embedding and LM head
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings().weight
+    seqs = load_shards(out / "data")
+    ckpt_path = out / "train_state.pt"
+    torch.manual_seed(args.seed)
+    drafter = DFlash2Drafter(drafter_config_for(target.config, args)).float().train()
+    with torch.no_grad():  # start the final norm where the shared LM head expects its inputs
+        drafter.norm.weight.copy_(target.get_decoder().norm.weight)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(args.seed)
+    step, history = 0, []
+    if args.resume and ckpt_path.exists():
+        state = torch.load(ckpt_path, weights_only=False)
+        drafter.load_state_dict(state["drafter"])
+        opt.load_state_dict(state["optimizer"])
+        g.set_state(state["generator"])
+        step, history = state["step"], state["history"]
+    weights = position_weights(args.block_size, args.gamma or default_gamma(args.block_size))
+    n_tokens = sum(len(i) - p for i, _, p in seqs)
+    print(f"{len(seqs)} sequences, {n_tokens} response tokens; drafter "
+          f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params", flush=True)
+    t0 = time.time() - (history[-1]["wall_s"] if history else 0.0)
+    bar = tqdm(range(step, args.steps), initial=step, total=args.steps, desc="train")
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.warmup, args.lr)
+        pick = torch.randint(len(seqs), (args.batch_seqs,), generator=g).tolist()
+        batch = make_batch([seqs[i] for i in pick], args.block_size, args.anchors, args.mask_token_id, g)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss, ce, sel_ce, acc, sel_acc = drafter_loss(drafter, embed, lm_head, batch, weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.clip)
+        opt.step()
+        rec = {"step": step + 1, "loss": loss.item(), "ce": float(ce), "selector_ce": float(sel_ce),
+               "acc": [round(float(a), 4) for a in acc], "selector_acc": float(sel_acc), "wall_s": time.time() - t0}
+        history.append(rec)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['acc'][0]:.2f}", acc7=f"{rec['acc'][-1]:.2f}",
+                        sel=f"{rec['selector_acc']:.2f}")
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "generator": g.get_state(),
+                        "step": step + 1, "history": history}, ckpt_path.with_suffix(".tmp"))
+            ckpt_path.with_suffix(".tmp").rename(ckpt_path)
+            drafter.save_pretrained(out / "drafter", dtype=torch.bfloat16)
+            (out / "history.json").write_text(json.dumps(history))
+    return drafter, history
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -163,9 +329,32 @@ def main():
     d.add_argument("--threads", type=int, default=2)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", default="bfloat16", help="target dtype for generation (bf16 is ~2x faster on CPU)")
+    t = sub.add_parser("train", help="fit a drafter on the self-distilled data")
+    t.add_argument("--out", default="runs/smollm2", help="directory holding data/ (from `train.py data`)")
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--batch-seqs", type=int, default=8, help="sequences per step")
+    t.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
+    t.add_argument("--block-size", type=int, default=8)
+    t.add_argument("--gamma", type=float, default=None, help="position decay (default 4 for block 8)")
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--intermediate-size", type=int, default=1536)
+    t.add_argument("--rank", type=int, default=24, help="selector rank r")
+    t.add_argument("--top-k", type=int, default=16, help="selector candidates K")
+    t.add_argument("--mask-token-id", type=int, default=16)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup", type=int, default=100)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--clip", type=float, default=1.0)
+    t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast matmuls")
+    t.add_argument("--save-every", type=int, default=100)
+    t.add_argument("--resume", action="store_true")
+    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.cmd == "data":
         make_data(args)
+    else:
+        train(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""The trainer: its loss is the SPEC §6 formula, and a short run learns and writes a loadable drafter."""
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+
+import spec_decode as sd
+import train
+from model import DFlash2Drafter
+from targets import tiny_target
+
+
+def test_position_weights_follow_the_decay():
+    w = train.position_weights(8, 4.0)
+    assert torch.allclose(w, torch.tensor([math.exp(-(k - 1) / 4) for k in range(1, 8)]))
+    assert train.default_gamma(8) == 4 and train.default_gamma(16) == 7
+
+
+def _tiny_setup(tmp_path, n_seqs=6):
+    model = tiny_target("llama", vocab=64, hidden=32, layers=3)
+    prompts = [[1 + i, 5, 9, 2 + i] for i in range(n_seqs)]
+    rows = train.generate_with_features(model, prompts, [0, 2], 24, stop_ids=set(), pad_id=0)
+    data = tmp_path / "data"
+    data.mkdir()
+    torch.save({"ids": [r[0] for r in rows], "features": [r[1] for r in rows],
+                "prompt_lens": [len(p) for p in prompts]}, data / "shard_00000.pt")
+    (data / "meta.json").write_text(json.dumps({"target": "tiny", "taps": [0, 2]}))
+    args = argparse.Namespace(
+        out=str(tmp_path), steps=30, batch_seqs=4, anchors=6, block_size=4, gamma=None, layers=1,
+        intermediate_size=32, rank=8, top_k=4, mask_token_id=63, lr=3e-3, warmup=3, weight_decay=0.0,
+        clip=1.0, bf16=False, save_every=10, resume=False, threads=1, seed=0)
+    return model, rows, args
+
+
+def test_features_are_the_targets_hidden_states(tmp_path):
+    model, rows, _ = _tiny_setup(tmp_path, n_seqs=2)
+    ids, feats = rows[1]
+    with torch.no_grad():
+        hs = model(ids[None, :-1], output_hidden_states=True).hidden_states
+    ref = torch.cat([hs[1], hs[3]], -1)[0]
+    assert feats.shape == ref.shape
+    assert torch.allclose(feats.float(), ref, atol=0.05 * ref.abs().max().item())  # stored in bf16
+
+
+def test_loss_matches_direct_computation(tmp_path):
+    """Weights, masks and block isolation, checked block by block against the inference path."""
+    model, rows, args = _tiny_setup(tmp_path)
+    seqs = [(i, f, 4) for i, f in rows]
+    args.taps = [0, 2]
+    drafter = DFlash2Drafter(train.drafter_config_for(model.config, args)).float()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    g = torch.Generator().manual_seed(0)
+    batch = train.make_batch(seqs[:3], 4, 30, 63, g)  # every anchor, so blocks run past the end too
+    assert (batch[4] == -100).any()
+    weights = train.position_weights(4, 4.0)
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings().weight
+    _, ce, sel_ce, _, _ = train.drafter_loss(drafter, embed, lm_head, batch, weights)
+
+    feats, seq_idx, anchor_pos, blocks, gold = batch
+    num = den = 0.0
+    sel_terms = []
+    for j in range(len(blocks)):
+        s, a = int(seq_idx[j]), int(anchor_pos[j])
+        ctx = feats[s : s + 1, :a]  # strictly before the anchor: nothing else is visible
+        kv = drafter.context_kv(ctx, torch.arange(a)[None])
+        pos = torch.arange(a, a + 4)[None]
+        h = drafter(embed(blocks[j : j + 1]), pos, kv, torch.ones(1, a, dtype=torch.bool))[:, 1:]
+        U = drafter.draft_logits(h, lm_head)[0]
+        for k in range(3):
+            t = int(gold[j, k])
+            if t < 0:
+                continue
+            num += weights[k] * F.cross_entropy(U[k : k + 1], torch.tensor([t]))
+            den += weights[k]
+            cands = U[k].topk(4).indices
+            if t in cands.tolist():
+                prev = int(blocks[j, 0]) if k == 0 else int(gold[j, k - 1])
+                sel = drafter.candidate_selector
+                score = U[k, cands] + (sel.predecessor_codebook[prev] * sel.hidden_projection(h[0, k])
+                                       * sel.successor_codebook[cands]).sum(-1)
+                sel_terms.append(F.cross_entropy(score[None], torch.tensor([cands.tolist().index(t)])))
+    assert torch.allclose(ce, num / den, atol=1e-5)
+    assert torch.allclose(sel_ce, torch.stack(sel_terms).mean(), atol=1e-5)
+
+
+def test_short_training_run_learns_and_writes_a_loadable_drafter(tmp_path):
+    model, _, args = _tiny_setup(tmp_path)
+    drafter, history = train.train(args, target=model)
+    first = sum(h["ce"] for h in history[:5]) / 5
+    last = sum(h["ce"] for h in history[-5:]) / 5
+    assert last < 0.7 * first
+    loaded = DFlash2Drafter.from_pretrained(tmp_path / "drafter", dtype=torch.float32)
+    target = sd.Target(model, loaded.config.target_layer_ids)
+    res = sd.generate(target, loaded, [[3, 5, 9, 4]], max_new_tokens=10)[0]
+    ar = sd.generate(target, None, [[3, 5, 9, 4]], method="ar", max_new_tokens=10)[0]
+    assert res.tokens == ar.tokens
+    # resume continues from the saved step
+    args.steps, args.resume = 35, True
+    _, history2 = train.train(args, target=model)
+    assert history2[29]["step"] == 30 and history2[-1]["step"] == 35
