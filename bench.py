@@ -1,0 +1,279 @@
+"""Benchmark ar / dflash / dflash2 side by side with the model card's protocol (SPEC §8).
+
+    python bench.py                                               # embedded SmolLM2 pair, greedy, 16 prompts/task
+    python bench.py --temperature 1.0 --top-p 0.95 --max-new-tokens 4096 --num-prompts 128   # the card's sampling
+    python bench.py --tasks gsm8k,mbpp --concurrency 1,8 --out results.json --plot results.png
+
+Every method decodes the same prompts in the same process, so the speedups are ratios measured in
+one run. Acceptance length tau = per-request mean of completion tokens / verification steps;
+throughput = total output tokens / end-to-end wall time (prefill included), with `concurrency`
+requests in flight, batched by our loop.
+"""
+import argparse
+import gzip
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from model import DEFAULT_DRAFT, DFlash2Drafter, load_target
+from spec_decode import METHODS, Target, generate
+from train import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
+
+# task: (file under --data-dir, hub (path, config, split), the prompt text of one row)
+SOURCES = {
+    "gsm8k": ("gsm8k/test.jsonl", ("openai/gsm8k", "main", "test"), lambda r: r["question"]),
+    # The local copy names the field `question`, the hub `problem`.
+    "math500": ("math500/test.jsonl", ("HuggingFaceH4/MATH-500", None, "test"),
+                lambda r: r.get("problem", r.get("question"))),
+    "humaneval": ("humaneval/HumanEval.jsonl.gz", ("openai/openai_humaneval", None, "test"), lambda r: r["prompt"]),
+    "mbpp": ("mbpp/sanitized-mbpp.json", ("google-research-datasets/mbpp", "sanitized", "test"), lambda r: r["prompt"]),
+    # MT-Bench: the first turn only. Local rows say `turns`, the hub `prompt`.
+    "mt-bench": ("mt_bench/question.jsonl", ("HuggingFaceH4/mt_bench_prompts", None, "train"),
+                 lambda r: (r.get("turns") or r["prompt"])[0]),
+}
+TASKS = tuple(SOURCES)
+
+
+def _read_rows(path):
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _hub_rows(task):
+    hub_path, config, split = SOURCES[task][1]
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise SystemExit(f"{task}: no local copy under --data-dir and the optional `datasets` package is missing "
+                         "(pip install datasets, or point --data-dir at a copy of the data)") from None
+    try:
+        return list(load_dataset(hub_path, config, split=split))
+    except Exception as e:
+        raise SystemExit(f"{task}: no local copy under --data-dir and {hub_path} cannot be loaded from the hub: {e}") from e
+
+
+def load_tasks(tasks, data_dir, num_prompts):
+    """{task: the first num_prompts prompt texts}, from data_dir (../shared/data layout) or the hub."""
+    out = {}
+    for task in tasks:
+        path = Path(data_dir) / SOURCES[task][0]
+        rows = _read_rows(path) if path.is_file() else _hub_rows(task)
+        if task == "mbpp":  # test split only; the rest may train drafters
+            rows = [r for r in rows if 11 <= r["task_id"] <= 510]
+        out[task] = [SOURCES[task][2](r) for r in rows[:num_prompts]]
+    return out
+
+
+def format_prompt(task, text):
+    """The user turn of SPEC §8 (z-lab/dflash benchmark formats)."""
+    if task in ("gsm8k", "math500"):
+        return text + GSM8K_SUFFIX
+    if task == "humaneval":
+        return HUMANEVAL_WRAP.format(prompt=text)
+    return text  # mbpp: the problem text as is; mt-bench: the first turn
+
+
+def stop_token_ids(model, tokenizer):
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def maybe_compile(target, drafter, enabled):
+    """The hook for compiled hot paths; for now torch.compile on the drafter forward."""
+    if enabled and drafter is not None:
+        drafter.forward = torch.compile(drafter.forward)
+
+
+def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, desc):
+    """Decode prompts in consecutive chunks of `concurrency`; returns the Results and the wall time."""
+    results = []
+    bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False)
+    start = time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        chunk = prompts[i : i + concurrency]
+        # Same seed for the same chunk under every method.
+        results += generate(target, drafter, chunk, method=method, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + i,
+                            stop_ids=stop_ids, block_size=args.block_size)
+        bar.update(len(chunk))
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    bar.close()
+    return results, wall
+
+
+def tables(rows, tasks, methods, concurrencies):
+    """The model card's layout: tau per task, throughput per task x (concurrency, method), speedup ranges."""
+    cell = {(r["task"], r["method"], r["concurrency"]): r for r in rows}
+    drafts = [m for m in methods if m != "ar"]
+    out = []
+    if drafts:
+        c = min(concurrencies)
+        out.append(f"Acceptance length τ (concurrency {c})\n")
+        out.append("| task | " + " | ".join(drafts) + " |")
+        out.append("|---" * (len(drafts) + 1) + "|")
+        for task in tasks:
+            out.append(f"| {task} | " + " | ".join(f"{cell[task, m, c]['acceptance_length']:.2f}" for m in drafts) + " |")
+        means = [statistics.mean(cell[t, m, c]["acceptance_length"] for t in tasks) for m in drafts]
+        out.append("| mean | " + " | ".join(f"{x:.2f}" for x in means) + " |")
+        out.append("")
+    cols = [(c, m) for c in concurrencies for m in methods]
+    out.append("Throughput tok/s (speedup vs ar)\n")
+    out.append("| task | " + " | ".join(f"{m} c={c}" for c, m in cols) + " |")
+    out.append("|---" * (len(cols) + 1) + "|")
+    for task in tasks:
+        cells = []
+        for c, m in cols:
+            r = cell[task, m, c]
+            speedup = f" ({r['speedup_vs_ar']:.2f}×)" if m != "ar" and r["speedup_vs_ar"] is not None else ""
+            cells.append(f"{r['throughput_tok_s']:.1f}{speedup}")
+        out.append(f"| {task} | " + " | ".join(cells) + " |")
+    if drafts and "ar" in methods:
+        out.append("")
+        out.append("Speedup over ar across tasks: min–max (mean)\n")
+        out.append("| method | " + " | ".join(f"c={c}" for c in concurrencies) + " |")
+        out.append("|---" * (len(concurrencies) + 1) + "|")
+        for m in drafts:
+            cells = []
+            for c in concurrencies:
+                s = [cell[t, m, c]["speedup_vs_ar"] for t in tasks]
+                cells.append(f"{min(s):.2f}×–{max(s):.2f}× ({statistics.mean(s):.2f}×)")
+            out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def plot(rows, tasks, methods, concurrencies, path):
+    """Left: tau per task and drafting method (lowest concurrency); right: mean throughput vs concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cell = {(r["task"], r["method"], r["concurrency"]): r for r in rows}
+    drafts = [m for m in methods if m != "ar"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(len(drafts), 1)
+    for k, m in enumerate(drafts):
+        ax1.bar([i + k * width for i in range(len(tasks))],
+                [cell[t, m, min(concurrencies)]["acceptance_length"] for t in tasks], width, label=m)
+    ax1.set_xticks([i + width * (len(drafts) - 1) / 2 for i in range(len(tasks))], tasks)
+    ax1.set_ylabel("acceptance length τ")
+    ax1.legend()
+    for m in methods:
+        ax2.plot(concurrencies, [statistics.mean(cell[t, m, c]["throughput_tok_s"] for t in tasks)
+                                 for c in concurrencies], marker="o", label=m)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks(concurrencies, [str(c) for c in concurrencies])
+    ax2.set_xlabel("concurrency")
+    ax2.set_ylabel("throughput tok/s (mean over tasks)")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _names(allowed):
+    def parse(s):
+        names = list(dict.fromkeys(x.strip() for x in s.split(",") if x.strip()))  # in order, once each
+        bad = [x for x in names if x not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, got {s!r}")
+        return names
+    return parse
+
+
+def _ints(s):
+    values = [int(x) for x in s.split(",")]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {s!r}")
+    return values
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="target dir or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="drafter checkpoint dir or hub id")
+    ap.add_argument("--data-dir", default="../shared/data", help="local data (else the hub via `datasets`)")
+    ap.add_argument("--tasks", type=_names(TASKS), default=list(TASKS))
+    ap.add_argument("--methods", type=_names(METHODS), default=["ar", "dflash", "dflash2"])
+    ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="requests in flight, e.g. 1,8,32")
+    ap.add_argument("--num-prompts", type=int, default=16, help="the first N prompts of each task")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the card uses 1.0)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="the card uses 0.95")
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--compile", action="store_true", help="compile the hot paths (see maybe_compile)")
+    ap.add_argument("--out", default="results.json")
+    ap.add_argument("--plot", default=None, help="also draw tau and throughput to this image (needs matplotlib)")
+    args = ap.parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
+    if args.num_prompts < 1:
+        raise SystemExit(f"--num-prompts must be >= 1, got {args.num_prompts}")
+
+    texts = load_tasks(args.tasks, args.data_dir, args.num_prompts)
+    dtype = getattr(torch, args.dtype)
+    model, tokenizer = load_target(args.target, device=args.device, dtype=dtype)
+    drafter = None
+    if any(m != "ar" for m in args.methods):
+        drafter = DFlash2Drafter.from_pretrained(args.draft, device=args.device, dtype=dtype)
+    target = Target(model, drafter.config.target_layer_ids if drafter is not None else ())
+    maybe_compile(target, drafter, args.compile)
+    stop_ids = stop_token_ids(model, tokenizer)
+    prompts = {task: [chat_ids(tokenizer, format_prompt(task, t)) for t in ts] for task, ts in texts.items()}
+
+    # Untimed warm-up of every method, so one-time costs (allocator, kernels, compilation) are billed to no one.
+    first = next(iter(prompts.values()))[0]
+    for m in args.methods:
+        generate(target, drafter, [first], method=m, max_new_tokens=8, block_size=args.block_size)
+
+    rows, outputs = [], {}
+    for task in args.tasks:
+        for c in args.concurrency:
+            for m in args.methods:
+                results, wall = run_method(target, drafter, prompts[task], m, c, args, stop_ids, f"{task} {m} c={c}")
+                outputs[task, m, c] = [r.tokens for r in results]
+                tokens = sum(len(r.tokens) for r in results)
+                rows.append(dict(task=task, method=m, concurrency=c, num_prompts=len(results),
+                                 acceptance_length=statistics.mean(r.acceptance_length for r in results),
+                                 throughput_tok_s=tokens / wall, speedup_vs_ar=None, completion_tokens=tokens,
+                                 wall_s=wall, identical_to_ar=None))
+
+    greedy = args.temperature == 0
+    for r in rows:
+        key = r["task"], "ar", r["concurrency"]
+        if key in outputs:
+            ar = next(x for x in rows if (x["task"], x["method"], x["concurrency"]) == key)
+            r["speedup_vs_ar"] = r["throughput_tok_s"] / ar["throughput_tok_s"]
+            # Lossless: greedy drafting must reproduce ar's output for the same prompt (at the same concurrency).
+            if greedy:
+                r["identical_to_ar"] = outputs[r["task"], r["method"], r["concurrency"]] == outputs[key]
+
+    print(tables(rows, args.tasks, args.methods, args.concurrency))
+    for r in rows:
+        if r["identical_to_ar"] is False:
+            print(f"WARNING: {r['method']} greedy output differs from ar on {r['task']} at concurrency "
+                  f"{r['concurrency']}: decoding is NOT lossless here", flush=True)
+    report = {"config": dict(vars(args), block_size=args.block_size or (drafter.config.block_size if drafter else 1),
+                             torch=torch.__version__), "results": rows}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        plot(rows, args.tasks, args.methods, args.concurrency, args.plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""bench.py follows the model card's protocol: the SPEC §8 prompt strings, and a complete, sane report."""
+import gzip
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import bench
+from targets import tiny_drafter, tiny_target
+from tiny_tokenizer import tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = ROOT / os.environ.get("DFLASH2_DATA_DIR", "../shared/data")  # an absolute value replaces ROOT
+needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"benchmark data not found at {DATA_DIR} "
+                                "(set DFLASH2_DATA_DIR to a copy of the ../shared/data layout)")
+
+
+def first_row(path):
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
+        return json.loads(f.readline())
+
+
+@needs_data
+def test_prompts_are_the_spec_strings():
+    texts = bench.load_tasks(bench.TASKS, DATA_DIR, 1)
+    user_turn = {task: bench.format_prompt(task, ts[0]) for task, ts in texts.items()}
+    gsm8k = first_row(DATA_DIR / "gsm8k/test.jsonl")["question"]
+    math500 = first_row(DATA_DIR / "math500/test.jsonl")["question"]
+    humaneval = first_row(DATA_DIR / "humaneval/HumanEval.jsonl.gz")["prompt"]
+    mbpp = next(r for r in json.loads((DATA_DIR / "mbpp/sanitized-mbpp.json").read_text()) if r["task_id"] == 11)
+    mt_bench = first_row(DATA_DIR / "mt_bench/question.jsonl")["turns"][0]
+    assert user_turn["gsm8k"] == gsm8k + "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    assert user_turn["math500"] == math500 + "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    assert user_turn["humaneval"] == ("Write a solution to the following problem and make sure that it passes the tests:\n"
+                                      "```python\n" + humaneval + "\n```")
+    assert user_turn["mbpp"] == mbpp["prompt"]  # the first row of the test split (task_id 11), as is
+    assert user_turn["mt-bench"] == mt_bench
+
+
+def write_tiny_data(root):
+    """A few short rows per task in the ../shared/data layout (characters the tiny tokenizer knows)."""
+    (root / "gsm8k").mkdir(parents=True)
+    (root / "gsm8k/test.jsonl").write_text("".join(json.dumps({"question": f"what is {i} plus {i}", "answer": "x"}) + "\n"
+                                                  for i in range(4)))
+    (root / "math500").mkdir()
+    (root / "math500/test.jsonl").write_text(json.dumps({"question": "solve x", "answer": "1"}) + "\n")
+    (root / "humaneval").mkdir()
+    with gzip.open(root / "humaneval/HumanEval.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f(x):\n"}) + "\n")
+    (root / "mbpp").mkdir()
+    mbpp = [{"task_id": t, "prompt": f"write task {t}", "code": ""} for t in (2, 11, 12, 13, 600)]
+    (root / "mbpp/sanitized-mbpp.json").write_text(json.dumps(mbpp))
+    (root / "mt_bench").mkdir()
+    (root / "mt_bench/question.jsonl").write_text(json.dumps({"question_id": 81, "turns": ["first turn", "second"]}) + "\n")
+
+
+def test_load_tasks_takes_the_test_split_and_first_turns(tmp_path):
+    write_tiny_data(tmp_path)
+    texts = bench.load_tasks(bench.TASKS, tmp_path, 3)
+    assert texts["mbpp"] == ["write task 11", "write task 12", "write task 13"]
+    assert texts["mt-bench"] == ["first turn"]
+    assert texts["math500"] == ["solve x"]
+    assert len(texts["gsm8k"]) == 3
+
+
+def test_missing_data_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if `datasets` were not installed
+    with pytest.raises(SystemExit, match="no local copy.*datasets"):
+        bench.load_tasks(["gsm8k"], tmp_path / "absent", 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    model = tiny_target("llama")
+    model.save_pretrained(root / "target")
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(root / "target")
+    tiny_drafter(model).save_pretrained(root / "draft")
+    return root / "target", root / "draft"
+
+
+def test_tiny_run_reports_every_field(tiny_pair, tmp_path, capsys):
+    target_dir, draft_dir = tiny_pair
+    write_tiny_data(tmp_path / "data")
+    out = tmp_path / "results.json"
+    # 3 prompts at concurrency 2: a full batch, then a ragged one.
+    bench.main(["--target", str(target_dir), "--draft", str(draft_dir), "--data-dir", str(tmp_path / "data"),
+                "--tasks", "gsm8k,mbpp", "--methods", "ar,dflash2", "--concurrency", "1,2", "--num-prompts", "3",
+                "--max-new-tokens", "12", "--device", "cpu", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["config"]["block_size"] == 8 and report["config"]["methods"] == ["ar", "dflash2"]
+    rows = report["results"]
+    assert {(r["task"], r["method"], r["concurrency"]) for r in rows} == {
+        (t, m, c) for t in ("gsm8k", "mbpp") for m in ("ar", "dflash2") for c in (1, 2)}
+    for r in rows:
+        assert set(r) == {"task", "method", "concurrency", "num_prompts", "acceptance_length", "throughput_tok_s",
+                          "speedup_vs_ar", "completion_tokens", "wall_s", "identical_to_ar"}
+        assert r["num_prompts"] == 3 and r["identical_to_ar"] is True
+        assert 1 <= r["acceptance_length"] <= (1 if r["method"] == "ar" else 8)
+        assert r["throughput_tok_s"] > 0 and r["wall_s"] > 0 and r["speedup_vs_ar"] > 0
+        assert 3 <= r["completion_tokens"] <= 3 * 12
+    printed = capsys.readouterr().out
+    assert "Acceptance length τ" in printed and "| gsm8k |" in printed and "| mean |" in printed
+    assert "dflash2 c=2" in printed and "×)" in printed and "WARNING" not in printed
+
+
+def test_greedy_mismatch_is_reported_loudly(tiny_pair, tmp_path, capsys, monkeypatch):
+    def corrupted(*args, method, **kwargs):
+        results = bench_generate(*args, method=method, **kwargs)
+        if method == "dflash2":
+            results[0].tokens[-1] ^= 1
+        return results
+
+    bench_generate = bench.generate
+    monkeypatch.setattr(bench, "generate", corrupted)
+    write_tiny_data(tmp_path / "data")
+    target_dir, draft_dir = tiny_pair
+    report = bench.main(["--target", str(target_dir), "--draft", str(draft_dir), "--data-dir", str(tmp_path / "data"),
+                         "--tasks", "mt-bench", "--methods", "ar,dflash2", "--concurrency", "1", "--num-prompts", "1",
+                         "--max-new-tokens", "4", "--device", "cpu", "--out", str(tmp_path / "r.json")])
+    assert [r["identical_to_ar"] for r in report["results"]] == [True, False]
+    assert "WARNING: dflash2 greedy output differs from ar on mt-bench" in capsys.readouterr().out
+
+
+def test_plot_draws_tau_and_throughput(tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib")
+    rows = [dict(task=t, method=m, concurrency=c, acceptance_length=1.0 if m == "ar" else 3.0,
+                 throughput_tok_s=100.0 * c) for t in ("gsm8k", "mbpp") for m in ("ar", "dflash2") for c in (1, 2)]
+    bench.plot(rows, ["gsm8k", "mbpp"], ["ar", "dflash2"], [1, 2], tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").stat().st_size > 0
