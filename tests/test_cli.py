@@ -1,0 +1,139 @@
+"""The command line end to end on the tiny golden pair: reports, streaming, and one clear line per bad input."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dflash2_ref
+import model
+from model import DFlash2Drafter, tiny_glm_config
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden"
+PAIR = ["--target", str(GOLDEN / "target"), "--draft", str(GOLDEN / "draft")]
+JSON_KEYS = {"text", "completion_tokens", "verify_steps", "acceptance_length", "tokens_per_s", "method", "target",
+             "draft"}
+
+
+def cli(capsys, *argv):
+    rc = dflash2_ref.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def drafter_dir(directory, **overrides):
+    """A drafter shaped like the golden one, with some fields changed to make it not fit the target."""
+    base = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, vocab_size=64, num_target_layers=3, target_layer_ids=[0, 1],
+                mask_token_id=63, layer_types=["sliding_attention"], block_size=6, selector_top_k=4,
+                conv_group_size=8, selector_rank=8)
+    torch.manual_seed(0)
+    DFlash2Drafter(tiny_glm_config(**{**base, **overrides})).save_pretrained(directory)
+    return str(directory)
+
+
+def test_greedy_baseline_json_reports_identical_outputs(capsys):
+    rc, out, err = cli(capsys, *PAIR, "--prompt", "the time of day", "--max-new-tokens", "12", "--baseline", "--json")
+    assert rc == 0, err
+    report = json.loads(out)  # exactly one JSON object on stdout
+    assert set(report) >= JSON_KEYS | {"ar_text", "ar_tokens_per_s", "speedup", "identical"}
+    assert report["identical"] is True and report["text"] == report["ar_text"]
+    assert report["method"] == "dflash2" and report["draft"] == str(GOLDEN / "draft")
+    assert 1 <= report["acceptance_length"] <= 6
+    assert report["completion_tokens"] / report["verify_steps"] == pytest.approx(report["acceptance_length"])
+
+
+@pytest.mark.parametrize("method", ["dflash2", "dflash", "ar"])
+def test_streamed_text_is_the_decoded_completion(capsys, method):
+    rc, out, err = cli(capsys, *PAIR, "--prompt", "what is it", "--max-new-tokens", "10", "--method", method,
+                       "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "5", "--block-size", "4")
+    assert rc == 0, err
+    rc, js, _ = cli(capsys, *PAIR, "--prompt", "what is it", "--max-new-tokens", "10", "--method", method,
+                    "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "5", "--block-size", "4",
+                    "--json")
+    assert out == json.loads(js)["text"] + "\n"
+    assert f"[{method}]" in err and "tau" in err and "tok/s" in err
+
+
+def test_system_message_and_raw_completion_change_the_prompt(capsys):
+    runs = [cli(capsys, *PAIR, "--prompt", "the", "--max-new-tokens", "6", "--json", *extra)
+            for extra in ([], ["--system", "you are a thing"], ["--no-chat-template"])]
+    assert all(rc == 0 for rc, _, _ in runs)
+    assert len({json.loads(out)["text"] for _, out, _ in runs}) > 1
+
+
+def test_command_line_subprocess():
+    """The real entry point: one JSON object on stdout, nothing on stderr, and exit 2 for a bad setting."""
+    cmd = [sys.executable, "dflash2_ref.py", *PAIR, "--prompt", "the time", "--max-new-tokens", "8"]
+    ok = subprocess.run(cmd + ["--baseline", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["identical"] is True
+    assert ok.stderr == ""
+    bad = subprocess.run(cmd + ["--temperature", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [bad.stderr.strip()] and "--temperature" in bad.stderr
+
+
+def bad_inputs(tmp):
+    corrupt = tmp / "corrupt"
+    shutil.copytree(GOLDEN / "draft", corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
+    return [
+        # (argv, exit code, phrase of the one error line)
+        (["--prompt", "  "], 2, "prompt is empty"),
+        ([], 2, "--prompt"),
+        (["--prompt", "the " * 600], 2, "prompt too long"),
+        (["--prompt", "the", "--max-new-tokens", "600"], 2, "prompt too long"),
+        (["--prompt", "the", "--temperature", "-0.5"], 2, "--temperature must be >= 0"),
+        (["--prompt", "the", "--top-p", "0"], 2, "--top-p must be in (0, 1]"),
+        (["--prompt", "the", "--top-p", "1.5"], 2, "--top-p must be in (0, 1]"),
+        (["--prompt", "the", "--top-k", "-1"], 2, "--top-k must be >= 0"),
+        (["--prompt", "the", "--temperature", "warm"], 2, "--temperature"),
+        (["--prompt", "the", "--block-size", "7"], 2, "larger than the drafter's block size 6"),
+        (["--prompt", "the", "--device", "tpu9"], 2, "--device 'tpu9' is not usable"),
+        (["--prompt", "the", "--draft", drafter_dir(tmp / "h", hidden_size=48)], 2,
+         "hidden_size 48 does not match the target's 32"),
+        (["--prompt", "the", "--draft", drafter_dir(tmp / "v", vocab_size=128)], 2,
+         "vocab_size 128 does not match the target's LM head (64 rows)"),
+        (["--prompt", "the", "--draft", drafter_dir(tmp / "l", num_target_layers=9, target_layer_ids=[1, 5])], 2,
+         "target_layer_ids [5] do not exist in a target with 3 layers"),
+        (["--prompt", "the", "--draft", str(tmp / "missing")], 1, "not a checkpoint directory"),
+        (["--prompt", "the", "--draft", str(corrupt)], 1, "cannot load drafter"),
+        (["--prompt", "the", "--target", str(tmp / "missing")], 1, "no such model directory"),
+        (["--check-trace", str(tmp / "missing.jsonl")], 2, "not a readable JSON Lines trace"),
+    ]
+
+
+def test_bad_inputs_exit_with_one_clear_line(capsys, tmp_path):
+    for argv, code, phrase in bad_inputs(tmp_path):
+        if "--target" not in argv and "--check-trace" not in argv:
+            argv = ["--target", str(GOLDEN / "target")] + (["--draft", str(GOLDEN / "draft")] * ("--draft" not in argv)) + argv
+        rc, out, err = cli(capsys, *argv)
+        assert (rc, out) == (code, ""), (argv[-2:], err)
+        assert err.startswith("error: ") and err.count("\n") == 1 and phrase in err, (argv[-2:], err)
+
+
+def test_debug_shows_the_traceback(capsys):
+    rc, _, err = cli(capsys, *PAIR, "--prompt", "the", "--block-size", "7", "--debug")
+    assert rc == 2 and "Traceback" in err and err.strip().endswith("drafter's block size 6")
+
+
+def test_missing_embedded_drafter_is_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(model, "DEFAULT_DRAFT", tmp_path / "dflash2-smollm2-135m")
+    rc, _, err = cli(capsys, "--target", str(GOLDEN / "target"), "--prompt", "the")
+    assert rc == 1 and err.startswith("error: no embedded drafter yet") and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_default_pair_greedy_matches_autoregressive(capsys):
+    if not model.DEFAULT_DRAFT.is_dir():
+        pytest.skip(f"the embedded drafter {model.DEFAULT_DRAFT} has not been trained yet")
+    rc, out, err = cli(capsys, "--prompt", "What is 12 + 30?", "--max-new-tokens", "16", "--baseline", "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["identical"] is True and report["completion_tokens"] >= 1
+    assert report["target"] == model.DEFAULT_TARGET
