@@ -149,11 +149,12 @@ def resolve_target(name):
 
 
 def resolve_draft(name):
-    if name is None:
+    """(id as recorded in traces, local directory) of the embedded drafter, a directory or a hub id."""
+    if name in (None, model.DEFAULT_DRAFT.name):
         if not model.DEFAULT_DRAFT.is_dir():
             raise Failure(f"no embedded drafter yet ({model.DEFAULT_DRAFT} does not exist): "
                           "pass --draft PATH|HUB_ID, or --method ar")
-        return str(model.DEFAULT_DRAFT.relative_to(Path(__file__).resolve().parent)), model.DEFAULT_DRAFT
+        return model.DEFAULT_DRAFT.name, model.DEFAULT_DRAFT
     try:
         return name, model._resolve_checkpoint(name)
     except (OSError, FileNotFoundError) as e:

@@ -14,7 +14,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import dflash2_ref  # noqa: E402
-from targets import tiny_drafter, tiny_target  # noqa: E402
+from targets import reference_greedy, tiny_drafter, tiny_target  # noqa: E402
 
 GOLDEN = HERE / "golden"
 WORDS = ("the a of to and in is it that was for on are with as his they be at one have this from or had by "
@@ -27,7 +27,7 @@ PROMPTS = ["the time of day", "what is it that we can make", "long"]
 TRACES = {
     "greedy_dflash2": dict(method="dflash2", temperature=0.0),
     "greedy_ar": dict(method="ar", temperature=0.0),
-    "sampled_dflash2": dict(method="dflash2", temperature=1.0, top_p=0.9, seed=7),
+    "sampled_dflash2": dict(method="dflash2", temperature=0.5, top_p=0.9, seed=7),
     "sampled_dflash": dict(method="dflash", temperature=0.7, top_k=20, seed=3, block_size=5),
 }
 
@@ -46,12 +46,45 @@ def tiny_tokenizer(vocab_size=64):
                                    chat_template=CHAT_TEMPLATE)
 
 
+@torch.no_grad()
+def self_distilled(target, taps, n=32, length=40):
+    """(ids, tapped features [L-1, n*H], prompt length) of the target's own greedy text from random prompts."""
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for _ in range(n):
+        prompt = torch.randint(5, target.config.vocab_size - 1, (4,), generator=g).tolist()
+        ids = prompt + reference_greedy(target, prompt, length)
+        hidden = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        seqs.append((torch.tensor(ids), torch.cat([hidden[l + 1] for l in taps], -1)[0, :-1], len(prompt)))
+    return seqs
+
+
+def fit(target, drafter, steps=300):
+    """A short run of the real training loss, so that greedy traces accept drafts too (a random drafter never does)."""
+    from train import default_gamma, drafter_loss, make_batch, position_weights
+
+    seqs = self_distilled(target, drafter.config.target_layer_ids)
+    B = drafter.config.block_size
+    weights, g = position_weights(B, default_gamma(B)), torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    drafter.train()
+    for _ in range(steps):
+        batch = make_batch(seqs, B, 4, drafter.config.mask_token_id, g)
+        loss = drafter_loss(drafter, target.get_input_embeddings(), target.get_output_embeddings().weight, batch,
+                            weights)[0]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
 def write_models(directory):
-    """Tiny Llama target (with tokenizer) and a matching drafter, both seeded."""
+    """Tiny Llama target (with tokenizer) and a matching drafter fitted to it, both seeded."""
     target = tiny_target("llama")
     tiny_tokenizer(target.config.vocab_size).save_pretrained(directory / "target")
     target.save_pretrained(directory / "target")
-    tiny_drafter(target, block_size=6).save_pretrained(directory / "draft")
+    target.requires_grad_(False)
+    fit(target, tiny_drafter(target, block_size=6)).save_pretrained(directory / "draft")
 
 
 def main():
