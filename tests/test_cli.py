@@ -66,6 +66,13 @@ def test_system_message_and_raw_completion_change_the_prompt(capsys):
     assert len({json.loads(out)["text"] for _, out, _ in runs}) > 1
 
 
+def test_prompt_file_is_the_same_prompt(capsys, tmp_path):
+    (tmp_path / "p.txt").write_text("the time of day")
+    _, from_file, _ = cli(capsys, *PAIR, "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "6", "--json")
+    _, from_flag, _ = cli(capsys, *PAIR, "--prompt", "the time of day", "--max-new-tokens", "6", "--json")
+    assert json.loads(from_file)["text"] == json.loads(from_flag)["text"]
+
+
 def test_command_line_subprocess():
     """The real entry point: one JSON object on stdout, nothing on stderr, and exit 2 for a bad setting."""
     cmd = [sys.executable, "dflash2_ref.py", *PAIR, "--prompt", "the time", "--max-new-tokens", "8"]
@@ -93,6 +100,8 @@ def bad_inputs(tmp):
         (["--prompt", "the", "--top-p", "1.5"], 2, "--top-p must be in (0, 1]"),
         (["--prompt", "the", "--top-k", "-1"], 2, "--top-k must be >= 0"),
         (["--prompt", "the", "--temperature", "warm"], 2, "--temperature"),
+        (["--prompt-file", str(tmp / "missing.txt")], 2, "--prompt-file"),
+        (["--prompt", "the", "--prompt-file", str(tmp / "missing.txt")], 2, "not both"),
         (["--prompt", "the", "--block-size", "7"], 2, "larger than the drafter's block size 6"),
         (["--prompt", "the", "--device", "tpu9"], 2, "--device 'tpu9' is not usable"),
         (["--prompt", "the", "--draft", drafter_dir(tmp / "h", hidden_size=48)], 2,
