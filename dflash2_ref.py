@@ -309,9 +309,9 @@ def sha256_files(directory):
 
 def config_record(pair, prompts, settings):
     draft = None if pair.draft_dir is None else dict(id=pair.draft_id, sha256=sha256_files(pair.draft_dir))
-    return dict(type="config", format=TRACE_FORMAT, target=dict(id=pair.target_id, sha256=sha256_files(pair.target_dir)),
-                draft=draft, dtype=str(pair.dtype).removeprefix("torch."), device=str(pair.device),
-                **{k: (list(v) if k == "stop_ids" else v) for k, v in settings.items()},
+    target = dict(id=pair.target_id, sha256=sha256_files(pair.target_dir))
+    return dict(type="config", format=TRACE_FORMAT, target=target, draft=draft,
+                dtype=str(pair.dtype).removeprefix("torch."), device=str(pair.device), **settings,
                 prompts=[list(p) for p in prompts])
 
 
@@ -434,8 +434,9 @@ def check_trace(path, target=None, draft=None, device="cpu", atol=1e-4, log=sys.
     cfg = records[0]
     pair = load_pair(target or cfg["target"]["id"], draft or (cfg["draft"] or {}).get("id"), torch.device(device),
                      DTYPES[cfg["dtype"]], needs_draft=cfg["method"] != "ar")
-    for role, rec_dir, recorded in (("target", pair.target_dir, cfg["target"]), ("draft", pair.draft_dir, cfg["draft"])):
-        if rec_dir is not None and recorded and sha256_files(rec_dir) != recorded["sha256"]:
+    for role, directory, recorded in (("target", pair.target_dir, cfg["target"]),
+                                      ("draft", pair.draft_dir, cfg["draft"])):
+        if directory is not None and recorded and sha256_files(directory) != recorded["sha256"]:
             print(f"note: the {role} files differ from the trace's (sha256)", file=log)
     settings = {k: cfg[k] for k in ("method", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
                                      "stop_ids", "block_size")}

@@ -101,9 +101,10 @@ def main():
     for name, settings in TRACES.items():
         settings = dict(dict(max_new_tokens=24, top_k=0, top_p=1.0, seed=0, stop_ids=stops,
                              block_size=pair.drafter.config.block_size), **settings)
-        if settings["method"] == "ar":
+        run_pair = pair
+        if settings["method"] == "ar":  # no drafter: the trace records draft null and block size null
             settings["block_size"] = None
-        run_pair = dataclasses.replace(pair, drafter=None, draft_id=None, draft_dir=None) if settings["method"] == "ar" else pair
+            run_pair = dataclasses.replace(pair, drafter=None, draft_id=None, draft_dir=None)
         path = GOLDEN / f"{name}.jsonl"
         dflash2_ref.run(run_pair, prompts, settings, trace_path=path)
         print(f"wrote {path.relative_to(root)}")
