@@ -163,14 +163,15 @@ def resolve_draft(name):
 
 def load_pair(target_name, draft_name, device, dtype, needs_draft=True):
     """Load the target (+ tokenizer) and, unless decoding autoregressively, the drafter; check they fit."""
+    # Resolve both before loading either, so a missing drafter fails before the slow target load.
+    draft_id, draft_dir = resolve_draft(draft_name) if needs_draft else (None, None)
     target_id, target_dir = resolve_target(target_name)
     try:
         lm, tok = model.load_target(str(target_dir), device, dtype)
     except Exception as e:
         raise Failure(f"cannot load target {target_id}: {one_line(e)}") from e
-    drafter, draft_id, draft_dir = None, None, None
+    drafter = None
     if needs_draft:
-        draft_id, draft_dir = resolve_draft(draft_name)
         try:
             drafter = model.DFlash2Drafter.from_pretrained(draft_dir, device=device, dtype=dtype)
         except Exception as e:  # CheckpointError, bad JSON, unreadable safetensors
