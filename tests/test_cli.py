@@ -112,7 +112,8 @@ def bad_inputs(tmp):
          "target_layer_ids [5] do not exist in a target with 3 layers"),
         (["--prompt", "the", "--draft", str(tmp / "missing")], 1, "not a checkpoint directory"),
         (["--prompt", "the", "--draft", str(corrupt)], 1, "cannot load drafter"),
-        (["--prompt", "the", "--target", str(tmp / "missing")], 1, "no such model directory"),
+        (["--prompt", "the", "--target", str(tmp / "missing"), "--draft", str(GOLDEN / "draft")], 1,
+         "no such model directory"),
         (["--check-trace", str(tmp / "missing.jsonl")], 2, "not a readable JSON Lines trace"),
     ]
 
