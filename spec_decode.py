@@ -4,6 +4,7 @@ Everything here stays on the device: randomness comes in as uniform tensors draw
 caller (`torch.rand(..., generator=g)`), so no step needs a host sync and a run can be replayed.
 """
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -307,26 +308,67 @@ class DraftContext:
         self.kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.kv]
 
 
-def draft_block(drafter, target, ctx, anchor, pos, ctx_len, block_size, method, temperature, generator):
-    """One drafter pass over [anchor, MASK x (B-1)] at positions pos..pos+B-1, then the path.
+def draft(drafter, target, ctx, anchor, pos, ctx_len, block_size):
+    """One drafter pass over [anchor, MASK x (B-1)] at positions pos..pos+B-1 (SPEC §3).
 
-    dflash2: top-K candidates per slot, edge scores, left-to-right walk (SPEC §4); dflash: per-slot
-    argmax (or per-slot sample) of the draft logits. Returns drafts [b, B-1], proposals q [b, B-1, V]
-    (one-hot for greedy walks), and the candidates with their draft logits (for traces).
+    The context is every slot before the anchor. Returns the hidden states h [b, B-1, H] and the
+    draft logits U [b, B-1, V] of slots 1..B-1.
     """
     block_pos = pos[:, None] + torch.arange(block_size, device=pos.device)
     dtype = next(drafter.parameters()).dtype
     embeds = drafter.embed_block(anchor, target.embed_tokens, block_size).to(dtype)
     slots = torch.arange(ctx_len, device=pos.device)
     h = drafter(embeds, block_pos, ctx.view(ctx_len), slots[None, :] < pos[:, None])[:, 1:]
-    U = drafter.draft_logits(h.to(target.lm_head_weight.dtype), target.lm_head_weight)
-    selector = drafter.candidate_selector
-    cand_ids, cand_logits = selector.candidates(U, selector.top_k)
+    return h, drafter.draft_logits(h.to(target.lm_head_weight.dtype), target.lm_head_weight)
+
+
+def select_path(selector, h, U, anchor, method, temperature, generator, with_candidates=True):
+    """dflash2: top-K candidates C_t, edge scores S_t(a, b), left-to-right walk (SPEC §4).
+    dflash: d_t = argmax U_t (or an independent sample per slot).
+
+    Returns drafts [b, B-1], proposals q [b, B-1, V] (one-hot for greedy walks), and the candidates
+    with their draft logits (what a trace records; dflash computes them only when asked).
+    """
     if method == "dflash":
         drafts, q = dflash1_walk(U, temperature, generator)
-    else:
-        drafts, q = selector.walk(selector.edge_scores(h, U, cand_ids, anchor), cand_ids, temperature, generator)
+        if not with_candidates:  # v1 needs no top-K; only a trace records it
+            return drafts, q, None, None
+        return (drafts, q) + selector.candidates(U, selector.top_k)
+    cand_ids, cand_logits = selector.candidates(U, selector.top_k)
+    drafts, q = selector.walk(selector.edge_scores(h, U, cand_ids, anchor), cand_ids, temperature, generator)
     return drafts, q, cand_ids, cand_logits
+
+
+def compile_core(target, drafter=None):
+    """torch.compile the hot functions: the target forward, the drafter forward and the walk.
+
+    Use with generate(..., static=True) so every step has the same shapes (full static cache
+    views), and the steady state runs without recompiling.
+    """
+    target.model.forward = torch.compile(target.model.forward, dynamic=False)
+    if drafter is not None:
+        drafter.forward = torch.compile(drafter.forward, dynamic=False)
+        drafter.context_kv = torch.compile(drafter.context_kv, dynamic=False)
+        selector = drafter.candidate_selector
+        selector.edge_scores = torch.compile(selector.edge_scores, dynamic=False)
+        selector.walk = torch.compile(selector.walk, dynamic=False)
+
+
+class _Timer:
+    """Wall time per phase of a step, only when asked for (it synchronises the device)."""
+
+    def __init__(self, timings, device):
+        self.timings, self.device, self.last = timings, device, None
+
+    def __call__(self, phase=None):
+        if self.timings is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        if phase is not None:
+            self.timings[phase] = self.timings.get(phase, 0.0) + now - self.last
+        self.last = now
 
 
 @dataclass
@@ -349,14 +391,17 @@ METHODS = ("dflash2", "dflash", "ar")
 
 @torch.inference_mode()
 def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, temperature=0.0, top_k=0,
-             top_p=1.0, seed=0, stop_ids=(), block_size=None, on_emit=None, propose=None, trace=None):
+             top_p=1.0, seed=0, stop_ids=(), block_size=None, on_emit=None, propose=None, trace=None,
+             static=False, timings=None):
     """Speculative decoding of a batch of prompts (lists of token ids) with a ragged per-row state.
 
     Per step: draft block -> top-K candidates -> selector walk -> one target forward over
     [anchor, drafts] -> verification -> emit accepted + 1 tokens. `method="ar"` runs the same
     cache code with no drafts. `propose(anchor, pos, rows) -> (drafts, q)` replaces the drafter
     (tests use it to force chosen acceptance patterns). `on_emit(request, tokens)` streams output.
-    `trace(record)` receives every step's tensors (see trace_records); tracing adds host copies.
+    `trace(record)` receives every step's tensors; tracing adds host copies. `static=True` keeps
+    every step's shapes fixed (cache views span the whole buffer) for compiled cores. `timings`,
+    a dict, accumulates seconds per phase: prefill, drafter, selector, verify, bookkeeping.
     Returns one Result per prompt.
     """
     if method not in METHODS:
@@ -377,6 +422,8 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
     device = target.device
     lens = torch.tensor([len(p) for p in prompts])
     max_len = int(lens.max()) + max_new_tokens + B + 1
+    if static:  # round up so later requests reuse the same compiled shapes
+        max_len = -(-max_len // 256) * 256
     limit = getattr(getattr(target.model.config, "text_config", target.model.config), "max_position_embeddings", None)
     if limit is not None and max_len > limit:
         raise ValueError(f"prompt too long: {int(lens.max())} prompt tokens + {max_new_tokens} new tokens + block "
@@ -392,6 +439,8 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
     ids, pos = ids.to(device), lens.to(device)
+    timer = _Timer(timings, device)
+    timer()
     positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
     cache = target.new_cache(max_len)
     logits, feats = target.forward(ids, positions, cache, ids.shape[1])
@@ -406,6 +455,7 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
         ctx = DraftContext(drafter, len(prompts), max_len, device)
         ctx.write(feats, positions)
     host_anchor = anchor.cpu()  # host sync of the prefill
+    timer("prefill")
     host_pos = lens.clone()
     alive = []
     for r, req in enumerate(rows.tolist()):
@@ -416,7 +466,9 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
         keep = torch.tensor([r for r, a in enumerate(alive) if a], dtype=torch.long)
         if len(keep) == 0:
             break
-        if len(keep) < len(alive):  # drop finished rows so they cost nothing
+        # Drop finished rows so they cost nothing; static shapes keep them, frozen in place.
+        if len(keep) < len(alive) and not static:
+            alive = [True] * len(keep)
             rows, host_pos = rows[keep], host_pos[keep]
             dkeep = keep.to(device)
             anchor, pos = anchor[dkeep], pos[dkeep]
@@ -424,18 +476,25 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
             if ctx is not None:
                 ctx.select_rows(dkeep)
         b = len(rows)
-        view_len = int(host_pos.max()) + B
+        live = torch.tensor(alive, device=device)
+        ctx_len = max_len if static else int(host_pos.max())
+        view_len = max_len if static else int(host_pos.max()) + B
         cands = None
+        timer()
         if B == 1:
             drafts = anchor.new_zeros(b, 0)
             q = torch.zeros(b, 0, target.vocab_size, device=device)
         elif propose is not None:
             drafts, q = propose(anchor, pos, rows)
         else:
-            drafts, q, *cands = draft_block(drafter, target, ctx, anchor, pos, int(host_pos.max()), B, method,
-                                            temperature, g)
+            h, U = draft(drafter, target, ctx, anchor, pos, ctx_len, B)
+            timer("drafter")
+            drafts, q, *cands = select_path(drafter.candidate_selector, h, U, anchor, method, temperature, g,
+                                            with_candidates=trace is not None)
+            timer("selector")
         block_pos = pos[:, None] + torch.arange(B, device=device)
         logits, feats = target.forward(torch.cat([anchor[:, None], drafts], 1), block_pos, cache, view_len)
+        timer("verify")
         u_accept = u_emit = None
         if sampled:
             u_accept = torch.rand(b, B - 1, generator=g, device=device)
@@ -451,17 +510,21 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
                        num_accepted=num_accepted, out=out))
         if ctx is not None:
             ctx.write(feats, block_pos)
-        anchor = out.gather(1, num_accepted[:, None]).squeeze(1)
-        pos = pos + num_accepted + 1
+        anchor = torch.where(live, out.gather(1, num_accepted[:, None]).squeeze(1), anchor)
+        pos = pos + (num_accepted + 1) * live
         host = torch.cat([num_accepted[:, None], out], 1).cpu()  # the one host sync per step
-        alive = []
+        was_alive, alive = alive, []
         for r, req in enumerate(rows.tolist()):
+            if not was_alive[r]:
+                alive.append(False)
+                continue
             a = int(host[r, 0])
             res = results[req]
             res.verify_steps += 1
             res.accepted.append(a)
             host_pos[r] += a + 1
             alive.append(_emit(res, host[r, 1 : a + 2].tolist(), max_new_tokens, stop_ids, on_emit, req))
+        timer("bookkeeping")
     return results
 
 
