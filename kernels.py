@@ -28,7 +28,7 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window):
+def _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window, kernel_options=None):
     from torch.nn.attention.flex_attention import create_block_mask
 
     pad = -k.shape[2] % FLEX_BLOCK
@@ -43,7 +43,8 @@ def _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window):
         return k_valid[b, j] & ((q_pos[b, i] - k_pos[b, j]).abs() < window)
 
     block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
-    return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
+                                      kernel_options=kernel_options)
 
 
 def drafter_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window=None, backend="sdpa"):
@@ -51,22 +52,50 @@ def drafter_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window=None, backe
 
     q [b, heads, T, hd]; k, v [b, kv_heads, S, hd] (context slots, then block slots);
     q_pos [b, T], k_pos [b, S] absolute positions; k_valid [b, S] bool.
-    backend "sdpa" is the reference (and supports backward), "flex" is FlexAttention.
+    backend "sdpa" is the reference (and supports backward); "flex" is compiled FlexAttention
+    (Triton on CUDA, C++ on CPU); "flash" is FlexAttention lowered to the FlashAttention-4 CuTe
+    kernel (Hopper/Blackwell with the flash-attn-4 package).
     """
     if backend == "sdpa":
         mask = drafter_mask(q_pos, k_pos, k_valid, sliding_window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     if backend == "flex":
         return _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window)
+    if backend == "flash":
+        return _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window, {"BACKEND": "FLASH"})
     raise ValueError(f"unknown attention backend {backend!r}; available: {attention_backends()}")
 
 
-def attention_backends():
-    """Backends drafter_attention can run here."""
+def _has_fa4(device):
+    """FA4's CuTe kernels target sm90 (Hopper) and sm100 (Blackwell) and need the flash-attn-4 package."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] not in (9, 10):
+        return False
+    try:
+        import flash_attn.cute  # noqa: F401  (the module flash-attn-4 installs)
+    except ImportError:
+        return False
+    return True
+
+
+def attention_backends(device=None):
+    """Backends drafter_attention can run on this device, fastest last."""
+    device = torch.device(device or "cpu")
     backends = ["sdpa"]
     try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-        backends.append("flex")
+        from torch.nn.attention import flex_attention  # noqa: F401
     except ImportError:
-        pass
+        return backends
+    backends.append("flex")
+    if _has_fa4(device):
+        backends.append("flash")
     return backends
+
+
+def default_backend(device):
+    """Chosen once per device: FA4 on sm90/sm100 when installed, Flex (Triton) on other GPUs, SDPA on
+    CPU. CPU Flex runs standalone ("flex") but torch 2.13's CPU inductor cannot lower it inside the
+    compiled drafter graph (NoValidChoicesError), and eager it would compile a kernel per shape."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "sdpa"
+    return attention_backends(device)[-1]

@@ -422,12 +422,12 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
     device = target.device
     lens = torch.tensor([len(p) for p in prompts])
     max_len = int(lens.max()) + max_new_tokens + B + 1
-    if static:  # round up so later requests reuse the same compiled shapes
-        max_len = -(-max_len // 256) * 256
     limit = getattr(getattr(target.model.config, "text_config", target.model.config), "max_position_embeddings", None)
     if limit is not None and max_len > limit:
         raise ValueError(f"prompt too long: {int(lens.max())} prompt tokens + {max_new_tokens} new tokens + block "
                          f"{B} exceed the target's context of {limit} positions")
+    if static:  # round up so later requests reuse the same compiled shapes
+        max_len = min(-(-max_len // 256) * 256, limit or max_len)
     stop_ids = set(stop_ids)
     g = torch.Generator(device=device).manual_seed(seed)
     sampled = temperature > 0
@@ -435,7 +435,10 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
     rows = torch.arange(len(prompts))  # row -> request index; shrinks as requests finish
 
     # Prefill: right-padded prompts; pad slots lie in the future of every real query.
-    ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long)
+    width = int(lens.max())
+    if static:  # bucketed prompt width, so prompts of similar length share one compiled prefill
+        width = min(-(-width // 64) * 64, max_len - B - 1)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
     ids, pos = ids.to(device), lens.to(device)

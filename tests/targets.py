@@ -12,7 +12,7 @@ ARCHS = ("llama", "minimax_m2", "minimax_m3")
 def tiny_target(arch, vocab=64, hidden=32, layers=3, seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+                  num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=None, eos_token_id=None,
                   pad_token_id=None)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(intermediate_size=64, **common))
@@ -36,12 +36,12 @@ def tiny_target(arch, vocab=64, hidden=32, layers=3, seed=0, dtype=torch.float32
     return model.to(dtype).eval()
 
 
-def tiny_drafter(target_model, block_size=8, seed=1, top_k=4, layers=2, dtype=torch.float32):
+def tiny_drafter(target_model, block_size=8, seed=1, top_k=4, layers=2, head_dim=8, dtype=torch.float32):
     cfg = target_model.config
     torch.manual_seed(seed)
     n_layers = cfg.num_hidden_layers
     config = tiny_glm_config(hidden_size=cfg.hidden_size, intermediate_size=64, num_hidden_layers=layers,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=cfg.vocab_size,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, vocab_size=cfg.vocab_size,
                              num_target_layers=n_layers, target_layer_ids=list(range(n_layers))[:2],
                              mask_token_id=cfg.vocab_size - 1, layer_types=["sliding_attention"] * layers,
                              block_size=block_size, selector_top_k=top_k, conv_group_size=8, selector_rank=8)

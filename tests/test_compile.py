@@ -1,0 +1,80 @@
+"""The compiled core: same tokens as eager, and no recompilation in steady state."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import kernels
+import spec_decode as sd
+from targets import reference_greedy, tiny_drafter, tiny_target
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_compiled_equals_eager_and_never_recompiles(backend):
+    if backend not in kernels.attention_backends() or (backend == "flex" and not torch.cuda.is_available()):
+        pytest.skip("flex inside the compiled drafter needs a GPU (CPU inductor cannot lower it, torch 2.13)")
+    torch._dynamo.reset()
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, head_dim=16)  # CPU flex kernels need head_dim >= 16
+    target = sd.Target(model, drafter.config.target_layer_ids)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    eager = [sd.generate(target, drafter, [p], max_new_tokens=512)[0].tokens for p in prompts]
+
+    drafter.attn_backend = backend
+    sd.compile_core(target, drafter)
+    warm = sd.generate(target, drafter, [prompts[0]], max_new_tokens=512, static=True)[0]
+    graphs = counters["stats"]["unique_graphs"]
+    frames = dict(counters["frames"])
+    steady = sd.generate(target, drafter, [prompts[1]], max_new_tokens=512, static=True)[0]
+    assert warm.tokens == eager[0] and steady.tokens == eager[1]
+    assert counters["stats"]["unique_graphs"] == graphs, "a 512-token generation recompiled after warm-up"
+    assert dict(counters["frames"]) == frames
+    assert not counters["recompiles"] and not counters["graph_break"]
+
+
+def test_static_shapes_equal_dynamic_shapes_in_batches():
+    """Static mode keeps finished rows frozen in place instead of dropping them; same outputs."""
+    model = tiny_target("minimax_m3")
+    drafter = tiny_drafter(model)
+    target = sd.Target(model, drafter.config.target_layer_ids)
+    prompts = [[1, 2, 3], list(range(5, 20)), [7]]
+    refs = [reference_greedy(model, p, 24) for p in prompts]
+    stop = refs[0][5]  # one row stops early, so rows finish at different steps
+    a = sd.generate(target, drafter, prompts, max_new_tokens=24, stop_ids=[stop])
+    b = sd.generate(target, drafter, prompts, max_new_tokens=24, stop_ids=[stop], static=True)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert [r.tokens for r in a] == [ref[: len(r.tokens)] for ref, r in zip(refs, a)]
+    assert len({len(r.tokens) for r in a}) > 1
+
+
+def test_timings_cover_every_phase():
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model)
+    timings = {}
+    sd.generate(sd.Target(model, drafter.config.target_layer_ids), drafter, [[1, 2]], max_new_tokens=16,
+                timings=timings)
+    assert set(timings) == {"prefill", "drafter", "selector", "verify", "bookkeeping"}
+    assert all(v > 0 for v in timings.values())
+
+
+def test_backend_choice_per_device():
+    assert kernels.default_backend("cpu") == "sdpa"
+    assert "flash" not in kernels.attention_backends("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU backends run only where a GPU is present")
+@pytest.mark.parametrize("backend", ["flex", "flash"])
+def test_gpu_backends_equal_sdpa(backend):
+    if backend not in kernels.attention_backends("cuda"):
+        pytest.skip(f"{backend} is not available on this GPU")
+    torch.manual_seed(0)
+    b, h, kvh, T, S, d = 2, 8, 2, 8, 300, 64
+    q = torch.randn(b, h, T, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, kvh, S, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q_pos = torch.tensor([[200 + i for i in range(T)], [100 + i for i in range(T)]], device="cuda")
+    k_pos = torch.arange(S, device="cuda").expand(b, S)
+    k_valid = k_pos < torch.tensor([[200], [100]], device="cuda")
+    k_valid[:, -T:] = True
+    ref = kernels.drafter_attention(q.float(), k.float(), v.float(), q_pos, k_pos, k_valid, 64, "sdpa")
+    out = kernels.drafter_attention(q, k, v, q_pos, k_pos, k_valid, 64, backend)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
