@@ -88,12 +88,12 @@ def stop_token_ids(model, tokenizer):
 
 
 def maybe_compile(target, drafter, enabled):
-    """The hook for compiled hot paths; for now torch.compile on the drafter forward."""
-    if enabled and drafter is not None:
-        drafter.forward = torch.compile(drafter.forward)
+    """--compile: the compiled core (target, drafter, walk), run with static shapes."""
+    if enabled:
+        sd.compile_core(target, drafter)
 
 
-def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, desc):
+def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, desc, timings=None):
     """Decode prompts in consecutive chunks of `concurrency`; returns the Results and the wall time."""
     results = []
     bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False)
@@ -103,13 +103,29 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
         # Same seed for the same chunk under every method.
         results += generate(target, drafter, chunk, method=method, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + i,
-                            stop_ids=stop_ids, block_size=args.block_size)
+                            stop_ids=stop_ids, block_size=args.block_size, static=args.compile,
+                            timings=timings)
         bar.update(len(chunk))
     if target.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
     bar.close()
     return results, wall
+
+
+def profile_table(rows):
+    """Mean milliseconds per decode step by phase, and the drafting overhead relative to verification."""
+    phases = ["drafter", "selector", "verify", "bookkeeping"]
+    out = ["Per-step time split, ms (overhead = drafter + selector + bookkeeping, as a share of verify)\n",
+           "| task | method | " + " | ".join(phases) + " | overhead |", "|---" * (len(phases) + 3) + "|"]
+    for r in rows:
+        if "step_ms" not in r:
+            continue
+        t = r["step_ms"]
+        overhead = sum(t.get(k, 0.0) for k in ("drafter", "selector", "bookkeeping")) / t["verify"]
+        out.append(f"| {r['task']} | {r['method']} | " + " | ".join(f"{t.get(k, 0.0):.1f}" for k in phases)
+                   + f" | {100 * overhead:.0f}% |")
+    return "\n".join(out) + "\n"
 
 
 def tables(rows, tasks, methods, concurrencies):
@@ -216,6 +232,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--compile", action="store_true", help="compile the hot paths (see maybe_compile)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also time each phase of a step (drafter, selector, verify, bookkeeping) at the lowest concurrency")
     ap.add_argument("--out", default="results.json")
     ap.add_argument("--plot", default=None, help="also draw tau and throughput to this image (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -237,20 +255,27 @@ def main(argv=None):
 
     # Untimed warm-up of every method, so one-time costs (allocator, kernels, compilation) are billed to no one.
     first = next(iter(prompts.values()))[0]
+    # Compiled runs warm up at the real length: static cache shapes depend on it.
     for m in args.methods:
-        generate(target, drafter, [first], method=m, max_new_tokens=8, block_size=args.block_size)
+        generate(target, drafter, [first], method=m, max_new_tokens=args.max_new_tokens if args.compile else 8,
+                 block_size=args.block_size, static=args.compile)
 
     rows, outputs = [], {}
     for task in args.tasks:
         for c in args.concurrency:
             for m in args.methods:
-                results, wall = run_method(target, drafter, prompts[task], m, c, args, stop_ids, f"{task} {m} c={c}")
+                timings = {} if args.profile and c == min(args.concurrency) else None
+                results, wall = run_method(target, drafter, prompts[task], m, c, args, stop_ids, f"{task} {m} c={c}",
+                                           timings)
                 outputs[task, m, c] = [r.tokens for r in results]
                 tokens = sum(len(r.tokens) for r in results)
                 rows.append(dict(task=task, method=m, concurrency=c, num_prompts=len(results),
                                  acceptance_length=statistics.mean(r.acceptance_length for r in results),
                                  throughput_tok_s=tokens / wall, speedup_vs_ar=None, completion_tokens=tokens,
                                  wall_s=wall, identical_to_ar=None))
+                if timings is not None:
+                    steps = sum(r.verify_steps - 1 for r in results)  # decode steps (the prefill is separate)
+                    rows[-1]["step_ms"] = {k: 1000 * v / max(steps, 1) for k, v in timings.items() if k != "prefill"}
 
     greedy = args.temperature == 0
     for r in rows:
@@ -263,6 +288,8 @@ def main(argv=None):
                 r["identical_to_ar"] = outputs[r["task"], r["method"], r["concurrency"]] == outputs[key]
 
     print(tables(rows, args.tasks, args.methods, args.concurrency))
+    if args.profile:
+        print(profile_table(rows))
     for r in rows:
         if r["identical_to_ar"] is False:
             print(f"WARNING: {r['method']} greedy output differs from ar on {r['task']} at concurrency "

@@ -60,7 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, help="anchor + drafts per step, <= the drafter's (default: the drafter's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=DTYPES, help="default float32 on CPU, bfloat16 elsewhere")
-    p.add_argument("--compile", action="store_true", help="torch.compile the drafter forward")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile target, drafter and walk with static shapes (first call compiles)")
     p.add_argument("--baseline", action="store_true", help="also decode autoregressively and report the speedup")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
     p.add_argument("--trace", metavar="FILE", help="write a JSON Lines trace of every verification step")
@@ -194,11 +195,6 @@ def check_pair(lm, drafter):
     if bad:
         raise UsageError(f"drafter target_layer_ids {bad} do not exist in a target with "
                          f"{cfg.num_hidden_layers} layers")
-
-
-def compile_drafter(drafter):
-    """--compile: compile the drafter's forward at the edge, the loop itself stays plain Python."""
-    drafter.compile(dynamic=True)
 
 
 def stop_ids(tok, lm):
@@ -479,8 +475,9 @@ def decode_main(args):
     pair = load_pair(args.target, args.draft, device, dtype, needs_draft=args.method != "ar")
     prompt = encode_prompt(pair.tokenizer, text, args.system, chat=not args.no_chat_template)
     settings = decode_settings(args, pair, stop_ids(pair.tokenizer, pair.model))
-    if args.compile and pair.drafter is not None:
-        compile_drafter(pair.drafter)
+    if args.compile:  # compile at the edge; the loop itself stays plain Python
+        sd.compile_core(pair.target, pair.drafter)
+        settings["static"] = True
 
     stream = None if args.json else Stream(pair.tokenizer, sys.stdout)
     (res,), seconds, ttft = run(pair, [prompt], settings, on_emit=stream, trace_path=args.trace)

@@ -88,8 +88,12 @@ def test_tiny_run_reports_every_field(tiny_pair, tmp_path, capsys):
     # 3 prompts at concurrency 2: a full batch, then a ragged one.
     bench.main(["--target", str(target_dir), "--draft", str(draft_dir), "--data-dir", str(tmp_path / "data"),
                 "--tasks", "gsm8k,mbpp", "--methods", "ar,dflash2", "--concurrency", "1,2", "--num-prompts", "3",
-                "--max-new-tokens", "12", "--device", "cpu", "--out", str(out)])
+                "--max-new-tokens", "12", "--device", "cpu", "--profile", "--out", str(out)])
     report = json.loads(out.read_text())
+    profiled = [r for r in report["results"] if "step_ms" in r]
+    assert {(r["method"], r["concurrency"]) for r in profiled} == {("ar", 1), ("dflash2", 1)}
+    assert all(r["step_ms"]["verify"] > 0 for r in profiled)
+    assert all(r["step_ms"]["drafter"] > 0 for r in profiled if r["method"] == "dflash2")
     assert report["config"]["block_size"] == 8 and report["config"]["methods"] == ["ar", "dflash2"]
     rows = report["results"]
     assert {(r["task"], r["method"], r["concurrency"]) for r in rows} == {
