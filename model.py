@@ -566,13 +566,45 @@ def _smollm2_safetensors() -> Path:
     return out
 
 
+def minimax_m3_text_config(config_dict):
+    """Hub MiniMax-M3 configs say model_type "minimax_m3"; transformers 5.24 has its text part as
+    minimax_m3_vl_text. Partial RoPE must survive the mapping (SPEC §7): rotary_dim -> partial_rotary_factor."""
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+
+    d = dict(config_dict.get("text_config", config_dict))
+    for key in ("model_type", "architectures", "auto_map", "transformers_version"):
+        d.pop(key, None)
+    rope = dict(d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.pop("rope_theta", 5e6)})
+    if "partial_rotary_factor" not in rope:
+        rope["partial_rotary_factor"] = d.pop("partial_rotary_factor", None) or d.get("rotary_dim", 64) / d.get("head_dim", 128)
+    d["rope_parameters"] = rope
+    return MiniMaxM3VLTextConfig(**d)
+
+
+# The VL release keeps the text model under language_model.*.
+MINIMAX_M3_KEYS = {r"^language_model\.model\.": "model.", r"^language_model\.lm_head\.": "lm_head.",
+                   r"^model\.language_model\.": "model."}
+
+
 def load_target(name_or_path: str | None = None, device="cpu", dtype=torch.float32):
-    """Return (model, tokenizer) for a transformers causal LM: a local dir, a hub id, or the default."""
+    """Return (model, tokenizer) for a transformers causal LM: a local dir, a hub id, or the default.
+
+    MiniMax-M3 checkpoints (model_type "minimax_m3", text or VL layout) load as transformers'
+    minimax_m3_vl_text model.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     path = _smollm2_safetensors() if name_or_path in (None, DEFAULT_TARGET) else name_or_path
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    return model, tok
+    raw = _read_json(Path(path) / "config.json") if (Path(path) / "config.json").exists() else {}
+    if raw.get("model_type") == "minimax_m3":
+        from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+        model = MiniMaxM3VLForCausalLM.from_pretrained(path, config=minimax_m3_text_config(raw), dtype=dtype,
+                                                       key_mapping=MINIMAX_M3_KEYS)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval(), tok
 
 
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "checkpoints" / "dflash2-smollm2-135m"

@@ -190,20 +190,6 @@ class SlotCache(Cache):
             layer.select_rows(rows)
 
 
-def _map_minimax_m3(config_dict):
-    """Hub MiniMax-M3 configs say model_type "minimax_m3"; transformers has its text part as
-    minimax_m3_vl_text. Partial RoPE must survive the mapping (SPEC §7): rotary_dim -> partial_rotary_factor."""
-    d = dict(config_dict.get("text_config", config_dict))
-    d["model_type"] = "minimax_m3_vl_text"
-    d.pop("architectures", None)
-    rope = dict(d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.get("rope_theta", 5e6)})
-    if "partial_rotary_factor" not in rope:
-        factor = d.get("partial_rotary_factor") or d.get("rotary_dim", 64) / d.get("head_dim", 128)
-        rope["partial_rotary_factor"] = factor
-    d["rope_parameters"] = rope
-    return d
-
-
 def fix_partial_rotary(model):
     """transformers' minimax_m3_vl_text reads only rope_parameters["partial_rotary_factor"] and ignores its
     own rotary_dim field, so a config without the factor silently runs full RoPE (SPEC §7). Restore the

@@ -147,3 +147,30 @@ def test_bad_inputs_are_named():
         sd.generate(target, drafter, [[1] * 500], max_new_tokens=20)
     with pytest.raises(ValueError, match="at least one token"):
         sd.generate(target, drafter, [[]])
+
+
+def test_minimax_m3_hub_checkpoint_loads_with_partial_rope(tmp_path):
+    """A hub-shaped MiniMax-M3 checkpoint (model_type "minimax_m3", VL key layout, rotary_dim but no
+    partial_rotary_factor) loads as the text model with partial RoPE and gives the same logits."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from model import load_target
+    from tiny_tokenizer import tiny_tokenizer
+
+    ref = tiny_target("minimax_m3")
+    sd.fix_partial_rotary(ref)  # the reference runs the deployment's partial RoPE
+    cfg = ref.config.to_dict()
+    cfg.pop("rope_parameters")
+    cfg.update(model_type="minimax_m3", architectures=["MiniMaxM3SparseForConditionalGeneration"],
+               rope_theta=ref.config.rope_parameters["rope_theta"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    state = {("language_model." + k): v.contiguous() for k, v in ref.state_dict().items()}
+    save_file(state, tmp_path / "model.safetensors")
+    tiny_tokenizer(64).save_pretrained(tmp_path)
+    loaded, _ = load_target(str(tmp_path))
+    assert loaded.config.rope_parameters["partial_rotary_factor"] == 0.5
+    ids = torch.randint(0, 60, (1, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
