@@ -144,7 +144,7 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="block_size"):
         sd.generate(target, drafter, [[1]], block_size=9)
     with pytest.raises(ValueError, match="prompt too long"):
-        sd.generate(target, drafter, [[1] * 500], max_new_tokens=20)
+        sd.generate(target, drafter, [[1] * 1010], max_new_tokens=20)
     with pytest.raises(ValueError, match="at least one token"):
         sd.generate(target, drafter, [[]])
 
