@@ -19,7 +19,7 @@ def pair(arch, block_size=8):
 
 
 prompts_st = st.lists(st.lists(st.integers(0, 62), min_size=1, max_size=12), min_size=1, max_size=4)
-SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -174,3 +174,63 @@ def test_minimax_m3_hub_checkpoint_loads_with_partial_rope(tmp_path):
     ids = torch.randint(0, 60, (1, 30))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def _target_law(model, prompt, n, temperature, top_p):
+    """Exact law of the target's first n sampled tokens, by enumerating every prefix."""
+    law = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for prefix, pr in law.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].double()
+            p = sd.process_logits(logits, temperature, 0, top_p)
+            for t in torch.nonzero(p).flatten().tolist():
+                nxt[prefix + (t,)] = pr * float(p[t])
+        law = nxt
+    return law
+
+
+def _loop_tv(model, target, drafter, method, rows=20000, n=2):
+    prompt = [5, 3, 9]
+    results = sd.generate(target, drafter, [prompt] * rows, method=method, max_new_tokens=n, temperature=1.0,
+                          top_p=0.9, seed=11)
+    counts = {}
+    for r in results:
+        counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    law = _target_law(model, prompt, n, 1.0, 0.9)
+    keys = set(law) | set(counts)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / rows - law.get(k, 0.0)) for k in keys)
+    # E[TV] <= 0.5 * sum sqrt(p/N); the extra term bounds the fluctuation (McDiarmid, failure prob e^-30).
+    bound = 0.5 * sum((p / rows) ** 0.5 for p in law.values()) + (30 / (2 * rows)) ** 0.5
+    return tv, bound
+
+
+def _sampling_pair():
+    """A small vocabulary so the law of two tokens can be enumerated; the drafter proposes over
+    top-4 candidates, so its q differs from P and rejections with residual draws really happen."""
+    model = tiny_target("llama", vocab=12, seed=3)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.25)  # flatter P: several tokens in the nucleus
+    drafter = tiny_drafter(model, block_size=4, top_k=4)
+    return model, sd.Target(model, drafter.config.target_layer_ids), drafter
+
+
+@pytest.mark.parametrize("method", ["dflash2", "dflash"])
+def test_sampling_loop_preserves_target_distribution(method):
+    """Monte Carlo through the real loop (drafter walk, verify_sampled, bookkeeping) vs the exact law."""
+    model, target, drafter = _sampling_pair()
+    tv, bound = _loop_tv(model, target, drafter, method)
+    assert tv < bound, (tv, bound)
+
+
+@pytest.mark.parametrize("mutant", ["forgets_residual", "always_accepts"])
+def test_sampling_loop_catches_a_broken_verifier(monkeypatch, mutant):
+    """Negative controls: the same check fails when the loop's verifier is broken."""
+    model, target, drafter = _sampling_pair()
+    if mutant == "forgets_residual":  # on rejection, sample from P instead of max(P - q, 0)
+        monkeypatch.setattr(sd, "residual_distribution", lambda p, q: p)
+    else:
+        monkeypatch.setattr(sd, "acceptance_probability", lambda p, q: torch.ones_like(p))
+    tv, bound = _loop_tv(model, target, drafter, "dflash2")
+    assert tv > 2 * bound, (tv, bound)
