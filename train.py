@@ -315,6 +315,33 @@ def train(args, target=None):
     return drafter, history
 
 
+def plot_history(history, path, window=50):
+    """Loss and per-slot top-1 accuracy over training (moving averages), saved as an image."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def smooth(xs):
+        return [sum(xs[max(0, i - window + 1) : i + 1]) / len(xs[max(0, i - window + 1) : i + 1]) for i in range(len(xs))]
+
+    steps = [h["step"] for h in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax1.plot(steps, smooth([h["ce"] for h in history]), label="draft CE (position-weighted)")
+    ax1.plot(steps, smooth([h["selector_ce"] for h in history]), label="selector CE")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss")
+    ax1.legend()
+    for k in range(len(history[0]["acc"])):
+        ax2.plot(steps, smooth([h["acc"][k] for h in history]), label=f"slot {k + 1}")
+    ax2.plot(steps, smooth([h["selector_acc"] for h in history]), "k--", label="selector (gold in C_t)")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("top-1 accuracy")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -350,11 +377,16 @@ def main():
     t.add_argument("--resume", action="store_true")
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--seed", type=int, default=0)
+    pl = sub.add_parser("plot", help="draw the loss and per-slot accuracy curves (needs matplotlib)")
+    pl.add_argument("--out", default="runs/smollm2")
+    pl.add_argument("--png", default="docs/training.png")
     args = ap.parse_args()
     if args.cmd == "data":
         make_data(args)
-    else:
+    elif args.cmd == "train":
         train(args)
+    else:
+        plot_history(json.loads((Path(args.out) / "history.json").read_text()), args.png)
 
 
 if __name__ == "__main__":
