@@ -233,6 +233,14 @@ class Target:
     def lm_head_weight(self):
         return self.model.get_output_embeddings().weight
 
+    def lm_head_as(self, dtype):
+        """The LM head in the drafter's dtype, cast once: a bf16 drafter reads half the bytes per draft."""
+        if dtype == self.lm_head_weight.dtype:
+            return self.lm_head_weight
+        if getattr(self, "_head_cast", None) is None or self._head_cast.dtype != dtype:
+            self._head_cast = self.lm_head_weight.detach().to(dtype)
+        return self._head_cast
+
     @property
     def device(self):
         return self.lm_head_weight.device
@@ -305,7 +313,7 @@ def draft(drafter, target, ctx, anchor, pos, ctx_len, block_size):
     embeds = drafter.embed_block(anchor, target.embed_tokens, block_size).to(dtype)
     slots = torch.arange(ctx_len, device=pos.device)
     h = drafter(embeds, block_pos, ctx.view(ctx_len), slots[None, :] < pos[:, None])[:, 1:]
-    return h, drafter.draft_logits(h.to(target.lm_head_weight.dtype), target.lm_head_weight)
+    return h, drafter.draft_logits(h, target.lm_head_as(dtype))
 
 
 def select_path(selector, h, U, anchor, method, temperature, generator, with_candidates=True):
