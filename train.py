@@ -331,6 +331,7 @@ def plot_history(history, path, window=50):
     ax1.plot(steps, smooth([h["selector_ce"] for h in history]), label="selector CE")
     ax1.set_xlabel("step")
     ax1.set_ylabel("loss")
+    ax1.set_yscale("log")
     ax1.legend()
     for k in range(len(history[0]["acc"])):
         ax2.plot(steps, smooth([h["acc"][k] for h in history]), label=f"slot {k + 1}")
