@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from model import DEFAULT_DRAFT, DFlash2Drafter, load_target
-from spec_decode import METHODS, Target, generate
+from spec_decode import METHODS, Target, compile_core, generate
 from train import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
 
 # task: (file under --data-dir, hub (path, config, split), the prompt text of one row)
@@ -90,7 +90,7 @@ def stop_token_ids(model, tokenizer):
 def maybe_compile(target, drafter, enabled):
     """--compile: the compiled core (target, drafter, walk), run with static shapes."""
     if enabled:
-        sd.compile_core(target, drafter)
+        compile_core(target, drafter)
 
 
 def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, desc, timings=None):

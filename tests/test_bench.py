@@ -135,3 +135,15 @@ def test_plot_draws_tau_and_throughput(tmp_path):
                  throughput_tok_s=100.0 * c) for t in ("gsm8k", "mbpp") for m in ("ar", "dflash2") for c in (1, 2)]
     bench.plot(rows, ["gsm8k", "mbpp"], ["ar", "dflash2"], [1, 2], tmp_path / "bench.png")
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_compiled_run_is_lossless(tiny_pair, tmp_path):
+    """--compile runs the compiled core with static shapes: same greedy outputs as ar."""
+    target_dir, draft_dir = tiny_pair
+    write_tiny_data(tmp_path / "data")
+    report = bench.main(["--target", str(target_dir), "--draft", str(draft_dir), "--data-dir", str(tmp_path / "data"),
+                         "--tasks", "gsm8k", "--methods", "ar,dflash2", "--concurrency", "1", "--num-prompts", "2",
+                         "--max-new-tokens", "12", "--device", "cpu", "--compile", "--out", str(tmp_path / "r.json")])
+    assert [r["identical_to_ar"] for r in report["results"]] == [True, True]
+    assert report["config"]["compile"] is True
