@@ -14,6 +14,7 @@ def test_compiled_equals_eager_and_never_recompiles(backend):
     if backend not in kernels.attention_backends() or (backend == "flex" and not torch.cuda.is_available()):
         pytest.skip("flex inside the compiled drafter needs a GPU (CPU inductor cannot lower it, torch 2.13)")
     torch._dynamo.reset()
+    counters.clear()  # dynamo's counters are process-wide; earlier compiled tests must not leak in
     model = tiny_target("llama")
     drafter = tiny_drafter(model, head_dim=16)  # CPU flex kernels need head_dim >= 16
     target = sd.Target(model, drafter.config.target_layer_ids)
