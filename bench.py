@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from model import DEFAULT_DRAFT, DFlash2Drafter, load_target
+from model import DEFAULT_DRAFT, DFlash2Drafter, load_target, stop_token_ids
 from spec_decode import METHODS, Target, compile_core, generate
 from train import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
 
@@ -79,12 +79,6 @@ def format_prompt(task, text):
     if task == "humaneval":
         return HUMANEVAL_WRAP.format(prompt=text)
     return text  # mbpp: the problem text as is; mt-bench: the first turn
-
-
-def stop_token_ids(model, tokenizer):
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos])
-    return sorted(i for i in ids if i is not None)
 
 
 def maybe_compile(target, drafter, enabled):

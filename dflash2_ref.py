@@ -197,14 +197,6 @@ def check_pair(lm, drafter):
                          f"{cfg.num_hidden_layers} layers")
 
 
-def stop_ids(tok, lm):
-    """The tokenizer's eos plus every eos id of the model's generation config."""
-    ids = {tok.eos_token_id}
-    eos = getattr(getattr(lm, "generation_config", None), "eos_token_id", None)
-    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return sorted(i for i in ids if i is not None)
-
-
 def encode_prompt(tok, text, system=None, chat=True):
     """Token ids of one user turn through the chat template with the generation prompt, or of raw text."""
     if not chat:
@@ -474,7 +466,7 @@ def decode_main(args):
     device, dtype = check_args(args)
     pair = load_pair(args.target, args.draft, device, dtype, needs_draft=args.method != "ar")
     prompt = encode_prompt(pair.tokenizer, text, args.system, chat=not args.no_chat_template)
-    settings = decode_settings(args, pair, stop_ids(pair.tokenizer, pair.model))
+    settings = decode_settings(args, pair, model.stop_token_ids(pair.model, pair.tokenizer))
     if args.compile:  # compile at the edge; the loop itself stays plain Python
         sd.compile_core(pair.target, pair.drafter)
         settings["static"] = True

@@ -607,4 +607,12 @@ def load_target(name_or_path: str | None = None, device="cpu", dtype=torch.float
     return model.to(device).eval(), tok
 
 
+def stop_token_ids(model, tokenizer):
+    """The tokenizer's eos plus every eos id of the model's generation config."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "checkpoints" / "dflash2-smollm2-135m"

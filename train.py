@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from model import DFlash2Config, DFlash2Drafter, load_target
+from model import DFlash2Config, DFlash2Drafter, load_target, stop_token_ids
 
 GSM8K_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_WRAP = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
@@ -132,8 +132,7 @@ def make_data(args):
     random.Random(args.seed).shuffle(prompts)
     prompts = prompts[: args.max_prompts]
     encoded = [chat_ids(tok, p) for p in prompts]
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    stop = {tok.eos_token_id} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    stop = set(stop_token_ids(model, tok))
     meta = {"target": args.target, "taps": taps, "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts)}
     (out / "meta.json").write_text(json.dumps(meta))
     shards = [list(range(i, min(i + args.batch_size, len(encoded)))) for i in range(0, len(encoded), args.batch_size)]

@@ -14,6 +14,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import dflash2_ref  # noqa: E402
+import model  # noqa: E402
 from targets import reference_greedy, tiny_drafter, tiny_target  # noqa: E402
 
 GOLDEN = HERE / "golden"
@@ -97,7 +98,7 @@ def main():
     pair = dflash2_ref.load_pair(str(GOLDEN / "target"), str(GOLDEN / "draft"), torch.device("cpu"), torch.float32)
     pair.target_id, pair.draft_id = target_id, draft_id
     prompts = [dflash2_ref.encode_prompt(pair.tokenizer, p) for p in PROMPTS]
-    stops = dflash2_ref.stop_ids(pair.tokenizer, pair.model)
+    stops = model.stop_token_ids(pair.model, pair.tokenizer)
     for name, settings in TRACES.items():
         settings = dict(dict(max_new_tokens=24, top_k=0, top_p=1.0, seed=0, stop_ids=stops,
                              block_size=pair.drafter.config.block_size), **settings)
