@@ -271,9 +271,20 @@ def train(args, target=None):
     seqs = load_shards(out / "data")
     ckpt_path = out / "train_state.pt"
     torch.manual_seed(args.seed)
-    drafter = DFlash2Drafter(drafter_config_for(target.config, args)).float().train()
-    with torch.no_grad():  # start the final norm where the shared LM head expects its inputs
-        drafter.norm.weight.copy_(target.get_decoder().norm.weight)
+    if getattr(args, "init", None):  # fine-tune a published checkpoint: its config fixes the shape
+        drafter = DFlash2Drafter.from_pretrained(args.init).float().train()
+        c = drafter.config
+        if c.target_layer_ids != list(args.taps):
+            raise SystemExit(f"error: --init {args.init} taps target layers {c.target_layer_ids}, but the data in "
+                             f"{out / 'data'} was tapped at {list(args.taps)}")
+        if c.hidden_size != target.config.hidden_size or c.vocab_size != target.config.vocab_size:
+            raise SystemExit(f"error: --init {args.init} has hidden {c.hidden_size} / vocab {c.vocab_size}; the "
+                             f"target has {target.config.hidden_size} / {target.config.vocab_size}")
+        args.block_size, args.top_k, args.mask_token_id = c.block_size, c.selector_top_k, c.mask_token_id
+    else:
+        drafter = DFlash2Drafter(drafter_config_for(target.config, args)).float().train()
+        with torch.no_grad():  # start the final norm where the shared LM head expects its inputs
+            drafter.norm.weight.copy_(target.get_decoder().norm.weight)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(args.seed)
     step, history = 0, []
@@ -375,6 +386,8 @@ def main():
     t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast matmuls")
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--resume", action="store_true")
+    t.add_argument("--init", default=None, metavar="DIR",
+                   help="start from this published drafter checkpoint (fine-tuning); its config sets the shape")
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--seed", type=int, default=0)
     pl = sub.add_parser("plot", help="draw the loss and per-slot accuracy curves (needs matplotlib)")

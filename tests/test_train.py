@@ -102,3 +102,34 @@ def test_short_training_run_learns_and_writes_a_loadable_drafter(tmp_path):
     args.steps, args.resume = 35, True
     _, history2 = train.train(args, target=model)
     assert history2[29]["step"] == 30 and history2[-1]["step"] == 35
+
+
+def test_init_fine_tunes_a_published_checkpoint(tmp_path):
+    """--init starts from a saved drafter (its weights, not a fresh one) and refuses mismatched taps."""
+    import pytest
+
+    model, _, args = _tiny_setup(tmp_path)
+    args.steps = 10
+    first, _ = train.train(args, target=model)
+    saved = tmp_path / "first"
+    first.save_pretrained(saved, dtype=torch.float32)
+    fine = tmp_path / "fine"
+    fine.mkdir()
+    (fine / "data").symlink_to(tmp_path / "data")
+    args2 = argparse.Namespace(**{**vars(args), "out": str(fine), "steps": 1, "lr": 1e-12, "warmup": 1,
+                                  "init": str(saved), "layers": 3, "rank": 2})
+    tuned, history = train.train(args2, target=model)
+    assert len(history) == 1 and tuned.config.num_hidden_layers == 1 and tuned.config.selector_rank == 8
+    for (name, p), q in zip(first.state_dict().items(), tuned.state_dict().values()):
+        assert torch.allclose(p, q, atol=1e-6), name  # a 1e-12 step leaves the loaded weights
+    fresh = train.train(argparse.Namespace(**{**vars(args2), "init": None, "rank": 8, "layers": 1}), target=model)[0]
+    assert not torch.allclose(fresh.candidate_selector.hidden_projection.weight,
+                              first.candidate_selector.hidden_projection.weight)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "data").mkdir()
+    for f in (tmp_path / "data").iterdir():
+        (bad / "data" / f.name).write_bytes(f.read_bytes())
+    (bad / "data" / "meta.json").write_text(json.dumps({"target": "tiny", "taps": [0, 1]}))
+    with pytest.raises(SystemExit, match="taps target layers"):
+        train.train(argparse.Namespace(**{**vars(args2), "out": str(bad)}), target=model)
