@@ -224,7 +224,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the target's")
+    ap.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="the drafter's (default: its checkpoint's); changes speed and tau, never the output")
     ap.add_argument("--compile", action="store_true", help="compile the hot paths (see maybe_compile)")
     ap.add_argument("--profile", action="store_true",
                     help="also time each phase of a step (drafter, selector, verify, bookkeeping) at the lowest concurrency")
@@ -241,7 +243,10 @@ def main(argv=None):
     model, tokenizer = load_target(args.target, device=args.device, dtype=dtype)
     drafter = None
     if any(m != "ar" for m in args.methods):
-        drafter = DFlash2Drafter.from_pretrained(args.draft, device=args.device, dtype=dtype)
+        drafter = DFlash2Drafter.from_pretrained(args.draft, device=args.device,
+                                                 dtype=getattr(torch, args.draft_dtype) if args.draft_dtype else None)
+    if drafter is not None:  # record what ran
+        args.draft_dtype = str(next(drafter.parameters()).dtype).removeprefix("torch.")
     target = Target(model, drafter.config.target_layer_ids if drafter is not None else ())
     maybe_compile(target, drafter, args.compile)
     stop_ids = stop_token_ids(model, tokenizer)

@@ -59,7 +59,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, help="anchor + drafts per step, <= the drafter's (default: the drafter's)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=DTYPES, help="default float32 on CPU, bfloat16 elsewhere")
+    p.add_argument("--dtype", choices=DTYPES, help="the target's: default float32 on CPU, bfloat16 elsewhere")
+    p.add_argument("--draft-dtype", choices=DTYPES,
+                   help="the drafter's (default: its checkpoint's, bfloat16 for the embedded one); it changes "
+                        "drafts, hence speed, never the output")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile target, drafter and walk with static shapes (first call compiles)")
     p.add_argument("--baseline", action="store_true", help="also decode autoregressively and report the speedup")
@@ -162,7 +165,7 @@ def resolve_draft(name):
         raise Failure(f"--draft: {one_line(e)}") from e
 
 
-def load_pair(target_name, draft_name, device, dtype, needs_draft=True):
+def load_pair(target_name, draft_name, device, dtype, needs_draft=True, draft_dtype=None):
     """Load the target (+ tokenizer) and, unless decoding autoregressively, the drafter; check they fit."""
     # Resolve both before loading either, so a missing drafter fails before the slow target load.
     draft_id, draft_dir = resolve_draft(draft_name) if needs_draft else (None, None)
@@ -174,7 +177,7 @@ def load_pair(target_name, draft_name, device, dtype, needs_draft=True):
     drafter = None
     if needs_draft:
         try:
-            drafter = model.DFlash2Drafter.from_pretrained(draft_dir, device=device, dtype=dtype)
+            drafter = model.DFlash2Drafter.from_pretrained(draft_dir, device=device, dtype=draft_dtype)
         except Exception as e:  # CheckpointError, bad JSON, unreadable safetensors
             raise Failure(f"cannot load drafter {draft_id}: {one_line(e)}") from e
         check_pair(lm, drafter)
@@ -300,7 +303,9 @@ def config_record(pair, prompts, settings):
     draft = None if pair.draft_dir is None else dict(id=pair.draft_id, sha256=sha256_files(pair.draft_dir))
     target = dict(id=pair.target_id, sha256=sha256_files(pair.target_dir))
     return dict(type="config", format=TRACE_FORMAT, target=target, draft=draft,
-                dtype=str(pair.dtype).removeprefix("torch."), device=str(pair.device), **settings,
+                dtype=str(pair.dtype).removeprefix("torch."), device=str(pair.device),
+                draft_dtype=None if pair.drafter is None else str(next(pair.drafter.parameters()).dtype).removeprefix("torch."),
+                **settings,
                 prompts=[list(p) for p in prompts])
 
 
@@ -422,7 +427,8 @@ def check_trace(path, target=None, draft=None, device="cpu", atol=1e-4, log=sys.
     records = read_trace(path)
     cfg = records[0]
     pair = load_pair(target or cfg["target"]["id"], draft or (cfg["draft"] or {}).get("id"), torch.device(device),
-                     DTYPES[cfg["dtype"]], needs_draft=cfg["method"] != "ar")
+                     DTYPES[cfg["dtype"]], needs_draft=cfg["method"] != "ar",
+                     draft_dtype=DTYPES[cfg.get("draft_dtype") or cfg["dtype"]])
     for role, directory, recorded in (("target", pair.target_dir, cfg["target"]),
                                       ("draft", pair.draft_dir, cfg["draft"])):
         if directory is not None and recorded and sha256_files(directory) != recorded["sha256"]:
@@ -464,7 +470,8 @@ def quiet_libraries():
 def decode_main(args):
     text = read_prompt(args)
     device, dtype = check_args(args)
-    pair = load_pair(args.target, args.draft, device, dtype, needs_draft=args.method != "ar")
+    pair = load_pair(args.target, args.draft, device, dtype, needs_draft=args.method != "ar",
+                     draft_dtype=DTYPES[args.draft_dtype] if args.draft_dtype else None)
     prompt = encode_prompt(pair.tokenizer, text, args.system, chat=not args.no_chat_template)
     settings = decode_settings(args, pair, model.stop_token_ids(pair.model, pair.tokenizer))
     if args.compile:  # compile at the edge; the loop itself stays plain Python

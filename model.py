@@ -439,7 +439,9 @@ class DFlash2Drafter(nn.Module):
 
     def draft_logits(self, h, lm_head_weight):
         """U = (h W^T) * output_multiplier, then c * tanh(U / c) if final_logit_softcapping = c; float32."""
-        U = F.linear(h, lm_head_weight).float() * self.config.output_multiplier
+        # as one 2-D matmul: a 3-D bf16 input can fall back to a batched matmul that copies the head
+        U = F.linear(h.reshape(-1, h.shape[-1]).to(lm_head_weight.dtype), lm_head_weight)
+        U = U.view(*h.shape[:-1], -1).float() * self.config.output_multiplier
         c = self.config.final_logit_softcapping
         return U if c is None else c * torch.tanh(U / c)
 
