@@ -325,8 +325,12 @@ def train(args, target=None):
     return drafter, history
 
 
-def plot_history(history, path, window=50):
-    """Loss and per-slot top-1 accuracy over training (moving averages), saved as an image."""
+def plot_history(history, path, window=50, before=None):
+    """Loss and per-slot top-1 accuracy over training (moving averages), saved as an image.
+
+    before: the history of the run this one started from (`train --init`), drawn first; a dotted
+    line marks where the second run begins.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -335,6 +339,8 @@ def plot_history(history, path, window=50):
     def smooth(xs):
         return [sum(xs[max(0, i - window + 1) : i + 1]) / len(xs[max(0, i - window + 1) : i + 1]) for i in range(len(xs))]
 
+    offset = before[-1]["step"] if before else 0
+    history = (before or []) + [dict(h, step=h["step"] + offset) for h in history]
     steps = [h["step"] for h in history]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax1.plot(steps, smooth([h["ce"] for h in history]), label="draft CE (position-weighted)")
@@ -348,6 +354,9 @@ def plot_history(history, path, window=50):
     ax2.plot(steps, smooth([h["selector_acc"] for h in history]), "k--", label="selector (gold in C_t)")
     ax2.set_xlabel("step")
     ax2.set_ylabel("top-1 accuracy")
+    if offset:
+        for ax in (ax1, ax2):
+            ax.axvline(offset, color="gray", linestyle=":", label="_nolegend_")
     ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
@@ -393,13 +402,16 @@ def main():
     pl = sub.add_parser("plot", help="draw the loss and per-slot accuracy curves (needs matplotlib)")
     pl.add_argument("--out", default="runs/smollm2")
     pl.add_argument("--png", default="docs/training.png")
+    pl.add_argument("--before", default=None, metavar="JSON",
+                    help="history.json of the run this one was --init from, drawn first")
     args = ap.parse_args()
     if args.cmd == "data":
         make_data(args)
     elif args.cmd == "train":
         train(args)
     else:
-        plot_history(json.loads((Path(args.out) / "history.json").read_text()), args.png)
+        before = json.loads(Path(args.before).read_text()) if args.before else None
+        plot_history(json.loads((Path(args.out) / "history.json").read_text()), args.png, before=before)
 
 
 if __name__ == "__main__":
