@@ -454,6 +454,7 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
     host_anchor = anchor.cpu()  # host sync of the prefill
     timer("prefill")
     host_pos = lens.clone()
+    live, live_count = None, 0  # device copy of `alive`, rebuilt only when a row finishes
     alive = []
     for r, req in enumerate(rows.tolist()):
         alive.append(_emit(results[req], [int(host_anchor[r])], max_new_tokens, stop_ids, on_emit, req))
@@ -472,8 +473,10 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
             cache.select_rows(dkeep)
             if ctx is not None:
                 ctx.select_rows(dkeep)
+            live = None
         b = len(rows)
-        live = torch.tensor(alive, device=device)
+        if live is None or sum(alive) != live_count:  # rows only ever finish, so the count tells
+            live, live_count = torch.tensor(alive, device=device), sum(alive)
         ctx_len = max_len if static else int(host_pos.max())
         view_len = max_len if static else int(host_pos.max()) + B
         cands = None
