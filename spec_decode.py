@@ -336,9 +336,11 @@ def select_path(selector, h, U, anchor, method, temperature, generator, with_can
 def compile_core(target, drafter=None):
     """torch.compile the hot functions: the target forward, the drafter forward and the walk.
 
-    Use with generate(..., static=True) so every step has the same shapes (full static cache
-    views), and the steady state runs without recompiling.
+    Use with generate(..., static=True): cache views come in a few bucketed lengths, so a
+    warm-up at the real length compiles every shape and the steady state never recompiles.
     """
+    # One graph per view bucket and prompt-width bucket; dynamo's default limit of 8 is too few.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     target.model.forward = torch.compile(target.model.forward, dynamic=False)
     if drafter is not None:
         drafter.forward = torch.compile(drafter.forward, dynamic=False)
@@ -381,6 +383,7 @@ class Result:
 
 
 METHODS = ("dflash2", "dflash", "ar")
+VIEW_BUCKET = 128  # static mode: attention views grow in steps of this many slots
 
 
 @torch.inference_mode()
@@ -393,8 +396,8 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
     [anchor, drafts] -> verification -> emit accepted + 1 tokens. `method="ar"` runs the same
     cache code with no drafts. `propose(anchor, pos, rows) -> (drafts, q)` replaces the drafter
     (tests use it to force chosen acceptance patterns). `on_emit(request, tokens)` streams output.
-    `trace(record)` receives every step's tensors; tracing adds host copies. `static=True` keeps
-    every step's shapes fixed (cache views span the whole buffer) for compiled cores. `timings`,
+    `trace(record)` receives every step's tensors; tracing adds host copies. `static=True` limits
+    shapes to a few buckets (cache views rounded up to VIEW_BUCKET slots) for compiled cores. `timings`,
     a dict, accumulates seconds per phase: prefill, drafter, selector, verify, bookkeeping.
     Returns one Result per prompt.
     """
@@ -477,8 +480,10 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
         b = len(rows)
         if live is None or sum(alive) != live_count:  # rows only ever finish, so the count tells
             live, live_count = torch.tensor(alive, device=device), sum(alive)
-        ctx_len = max_len if static else int(host_pos.max())
-        view_len = max_len if static else int(host_pos.max()) + B
+        view_len = int(host_pos.max()) + B
+        ctx_len = view_len - B
+        if static:  # a handful of shapes, each compiled once; the extra slots are masked out
+            view_len = ctx_len = min(-(-view_len // VIEW_BUCKET) * VIEW_BUCKET, max_len)
         cands = None
         timer()
         if B == 1:
