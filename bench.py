@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kernels import prepack_linears
 from model import DEFAULT_DRAFT, DFlash2Drafter, load_target, stop_token_ids
 from spec_decode import METHODS, Target, compile_core, generate
 from train import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
@@ -228,6 +229,8 @@ def main(argv=None):
     ap.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="the drafter's (default: its checkpoint's); changes speed and tau, never the output")
     ap.add_argument("--compile", action="store_true", help="compile the hot paths (see maybe_compile)")
+    ap.add_argument("--no-prepack", action="store_true",
+                    help="CPU float32: keep aten's (MKL) linears instead of oneDNN with pre-packed weights")
     ap.add_argument("--profile", action="store_true",
                     help="also time each phase of a step (drafter, selector, verify, bookkeeping) at the lowest concurrency")
     ap.add_argument("--out", default="results.json")
@@ -240,11 +243,13 @@ def main(argv=None):
 
     texts = load_tasks(args.tasks, args.data_dir, args.num_prompts)
     dtype = getattr(torch, args.dtype)
-    model, tokenizer = load_target(args.target, device=args.device, dtype=dtype)
+    model, tokenizer = load_target(args.target, device=args.device, dtype=dtype, prepack=not args.no_prepack)
     drafter = None
     if any(m != "ar" for m in args.methods):
         drafter = DFlash2Drafter.from_pretrained(args.draft, device=args.device,
                                                  dtype=getattr(torch, args.draft_dtype) if args.draft_dtype else None)
+    if drafter is not None and not args.no_prepack:
+        prepack_linears(drafter)
     if drafter is not None:  # record what ran
         args.draft_dtype = str(next(drafter.parameters()).dtype).removeprefix("torch.")
     target = Target(model, drafter.config.target_layer_ids if drafter is not None else ())

@@ -22,6 +22,7 @@ import torch
 
 import model
 import spec_decode as sd
+from kernels import PackedLinear, prepack_linears
 
 TRACE_FORMAT = "dflash2-trace/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,6 +66,9 @@ def parse_args(argv=None):
                         "drafts, hence speed, never the output")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile target, drafter and walk with static shapes (first call compiles)")
+    p.add_argument("--no-prepack", action="store_true",
+                   help="CPU float32: keep aten's (MKL) linears instead of oneDNN with pre-packed weights "
+                        "(same results to float32 rounding, slower verification)")
     p.add_argument("--baseline", action="store_true", help="also decode autoregressively and report the speedup")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
     p.add_argument("--trace", metavar="FILE", help="write a JSON Lines trace of every verification step")
@@ -128,6 +132,7 @@ class Pair:
     draft_dir: Path | None
     dtype: torch.dtype
     device: torch.device
+    prepacked: bool = False
 
 
 def resolve_target(name):
@@ -165,13 +170,13 @@ def resolve_draft(name):
         raise Failure(f"--draft: {one_line(e)}") from e
 
 
-def load_pair(target_name, draft_name, device, dtype, needs_draft=True, draft_dtype=None):
+def load_pair(target_name, draft_name, device, dtype, needs_draft=True, draft_dtype=None, prepack=True):
     """Load the target (+ tokenizer) and, unless decoding autoregressively, the drafter; check they fit."""
     # Resolve both before loading either, so a missing drafter fails before the slow target load.
     draft_id, draft_dir = resolve_draft(draft_name) if needs_draft else (None, None)
     target_id, target_dir = resolve_target(target_name)
     try:
-        lm, tok = model.load_target(str(target_dir), device, dtype)
+        lm, tok = model.load_target(str(target_dir), device, dtype, prepack=prepack)
     except Exception as e:
         raise Failure(f"cannot load target {target_id}: {one_line(e)}") from e
     drafter = None
@@ -181,8 +186,11 @@ def load_pair(target_name, draft_name, device, dtype, needs_draft=True, draft_dt
         except Exception as e:  # CheckpointError, bad JSON, unreadable safetensors
             raise Failure(f"cannot load drafter {draft_id}: {one_line(e)}") from e
         check_pair(lm, drafter)
+        if prepack:
+            prepack_linears(drafter)
     target = sd.Target(lm, drafter.config.target_layer_ids if drafter is not None else ())
-    return Pair(lm, tok, drafter, target, target_id, target_dir, draft_id, draft_dir, dtype, device)
+    prepacked = any(isinstance(m, PackedLinear) for m in lm.modules())
+    return Pair(lm, tok, drafter, target, target_id, target_dir, draft_id, draft_dir, dtype, device, prepacked)
 
 
 def check_pair(lm, drafter):
@@ -305,7 +313,7 @@ def config_record(pair, prompts, settings):
     return dict(type="config", format=TRACE_FORMAT, target=target, draft=draft,
                 dtype=str(pair.dtype).removeprefix("torch."), device=str(pair.device),
                 draft_dtype=None if pair.drafter is None else str(next(pair.drafter.parameters()).dtype).removeprefix("torch."),
-                **settings,
+                prepacked=pair.prepacked, **settings,
                 prompts=[list(p) for p in prompts])
 
 
@@ -428,7 +436,7 @@ def check_trace(path, target=None, draft=None, device="cpu", atol=1e-4, log=sys.
     cfg = records[0]
     pair = load_pair(target or cfg["target"]["id"], draft or (cfg["draft"] or {}).get("id"), torch.device(device),
                      DTYPES[cfg["dtype"]], needs_draft=cfg["method"] != "ar",
-                     draft_dtype=DTYPES[cfg.get("draft_dtype") or cfg["dtype"]])
+                     draft_dtype=DTYPES[cfg.get("draft_dtype") or cfg["dtype"]], prepack=cfg.get("prepacked", False))
     for role, directory, recorded in (("target", pair.target_dir, cfg["target"]),
                                       ("draft", pair.draft_dir, cfg["draft"])):
         if directory is not None and recorded and sha256_files(directory) != recorded["sha256"]:
@@ -471,7 +479,7 @@ def decode_main(args):
     text = read_prompt(args)
     device, dtype = check_args(args)
     pair = load_pair(args.target, args.draft, device, dtype, needs_draft=args.method != "ar",
-                     draft_dtype=DTYPES[args.draft_dtype] if args.draft_dtype else None)
+                     draft_dtype=DTYPES[args.draft_dtype] if args.draft_dtype else None, prepack=not args.no_prepack)
     prompt = encode_prompt(pair.tokenizer, text, args.system, chat=not args.no_chat_template)
     settings = decode_settings(args, pair, model.stop_token_ids(pair.model, pair.tokenizer))
     if args.compile:  # compile at the edge; the loop itself stays plain Python

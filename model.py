@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import drafter_attention
+from kernels import drafter_attention, prepack_linears
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -437,10 +437,14 @@ class DFlash2Drafter(nn.Module):
             x = layer(x, cos, sin, block_positions, ctx_k, ctx_v, ctx_positions, ctx_valid, self.attn_backend)
         return self.norm(x)
 
-    def draft_logits(self, h, lm_head_weight):
-        """U = (h W^T) * output_multiplier, then c * tanh(U / c) if final_logit_softcapping = c; float32."""
+    def draft_logits(self, h, lm_head):
+        """U = (h W^T) * output_multiplier, then c * tanh(U / c) if final_logit_softcapping = c; float32.
+
+        lm_head: the target's LM head weight W [V, H], or a linear module holding it (a PackedLinear).
+        """
         # as one 2-D matmul: a 3-D bf16 input can fall back to a batched matmul that copies the head
-        U = F.linear(h.reshape(-1, h.shape[-1]).to(lm_head_weight.dtype), lm_head_weight)
+        x = h.reshape(-1, h.shape[-1]).to(lm_head.weight.dtype if isinstance(lm_head, nn.Module) else lm_head.dtype)
+        U = lm_head(x) if isinstance(lm_head, nn.Module) else F.linear(x, lm_head)
         U = U.view(*h.shape[:-1], -1).float() * self.config.output_multiplier
         c = self.config.final_logit_softcapping
         return U if c is None else c * torch.tanh(U / c)
@@ -588,8 +592,11 @@ MINIMAX_M3_KEYS = {r"^language_model\.model\.": "model.", r"^language_model\.lm_
                    r"^model\.language_model\.": "model."}
 
 
-def load_target(name_or_path: str | None = None, device="cpu", dtype=torch.float32):
+def load_target(name_or_path: str | None = None, device="cpu", dtype=torch.float32, prepack=True):
     """Return (model, tokenizer) for a transformers causal LM: a local dir, a hub id, or the default.
+
+    prepack: on CPU in float32, run the linears through oneDNN with weights packed once
+    (kernels.prepack_linears): same results to float32 rounding, much faster for multi-token verify.
 
     MiniMax-M3 checkpoints (model_type "minimax_m3", text or VL layout) load as transformers'
     minimax_m3_vl_text model.
@@ -606,7 +613,10 @@ def load_target(name_or_path: str | None = None, device="cpu", dtype=torch.float
                                                        key_mapping=MINIMAX_M3_KEYS)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(device).eval(), tok
+    model = model.to(device).eval()
+    if prepack:
+        prepack_linears(model)
+    return model, tok
 
 
 def stop_token_ids(model, tokenizer):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+import kernels
 from model import dflash1_walk
 
 # --- sampling and verification math ---
@@ -221,6 +222,8 @@ class Target:
         self.num_layers = cfg.num_hidden_layers
         self.hidden_size = cfg.hidden_size
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        # load_target(prepack=True) swapped the linears for oneDNN ones; the draft head follows suit
+        self.prepacked = any(isinstance(m, kernels.PackedLinear) for m in model.modules())
         bad = [l for l in self.layer_ids if not 0 <= l < self.num_layers]
         if bad:
             raise ValueError(f"target_layer_ids {bad} out of range for a target with {self.num_layers} layers")
@@ -234,12 +237,14 @@ class Target:
         return self.model.get_output_embeddings().weight
 
     def lm_head_as(self, dtype):
-        """The LM head in the drafter's dtype, cast once: a bf16 drafter reads half the bytes per draft."""
-        if dtype == self.lm_head_weight.dtype:
-            return self.lm_head_weight
-        if getattr(self, "_head_cast", None) is None or self._head_cast.dtype != dtype:
-            self._head_cast = self.lm_head_weight.detach().to(dtype)
-        return self._head_cast
+        """The LM head for draft logits in the drafter's dtype, built once: a bf16 drafter reads half the
+        bytes per draft; on CPU it is a oneDNN-packed linear (a 3x faster read than aten's bf16 matmul)."""
+        head = getattr(self, "_draft_head", None)
+        if head is None or getattr(head, "weight", head).dtype != dtype:
+            weight = self.lm_head_weight if dtype == self.lm_head_weight.dtype else self.lm_head_weight.detach().to(dtype)
+            packed = self.prepacked and kernels.can_prepack(weight)
+            head = self._draft_head = kernels.PackedLinear(weight.detach()) if packed else weight
+        return head
 
     @property
     def device(self):
@@ -333,6 +338,20 @@ def select_path(selector, h, U, anchor, method, temperature, generator, with_can
     return drafts, q, cand_ids, cand_logits
 
 
+def _install_output_hooks(model):
+    """transformers installs its hidden-state hooks on the first forward that asks for them, under a
+    threading lock that dynamo cannot trace: a compiled target met first would break its graph there.
+    Install them now, eagerly (top-down, so a submodel is never hooked twice)."""
+    try:
+        from transformers.modeling_utils import PreTrainedModel
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, maybe_install_capturing_hooks
+    except ImportError:  # a transformers without output capturing: nothing to install
+        return
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel) and _CAN_RECORD_REGISTRY.get(m):
+            maybe_install_capturing_hooks(m)
+
+
 def compile_core(target, drafter=None):
     """torch.compile the hot functions: the target forward, the drafter forward and the walk.
 
@@ -341,6 +360,7 @@ def compile_core(target, drafter=None):
     """
     # One graph per view bucket and prompt-width bucket; dynamo's default limit of 8 is too few.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    _install_output_hooks(target.model)
     target.model.forward = torch.compile(target.model.forward, dynamic=False)
     if drafter is not None:
         drafter.forward = torch.compile(drafter.forward, dynamic=False)

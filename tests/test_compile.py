@@ -81,3 +81,37 @@ def test_gpu_backends_equal_sdpa(backend):
     ref = kernels.drafter_attention(q.float(), k.float(), v.float(), q_pos, k_pos, k_valid, 64, "sdpa")
     out = kernels.drafter_attention(q, k, v, q_pos, k_pos, k_valid, 64, backend)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.can_prepack(torch.zeros(1)), reason="this torch has no oneDNN")
+def test_compiled_core_with_prepacked_linears():
+    """The oneDNN linears are one custom op each inside the compiled graphs: no breaks, same tokens."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, head_dim=16)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    refs = [reference_greedy(model, p, 40) for p in prompts]
+    assert kernels.prepack_linears(model) > 0 and kernels.prepack_linears(drafter) > 0
+    target = sd.Target(model, drafter.config.target_layer_ids)
+    sd.compile_core(target, drafter)
+    out = sd.generate(target, drafter, prompts, max_new_tokens=40, static=True)
+    assert [r.tokens for r in out] == refs
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "minimax_m3"])
+def test_output_hooks_installed_before_compiling_capture_each_layer_once(arch):
+    """compile_core installs transformers' hidden-state hooks eagerly; they must capture what a fresh model does."""
+    import copy
+
+    model = tiny_target(arch)
+    fresh = copy.deepcopy(model)
+    sd._install_output_hooks(model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        got = model(ids, output_hidden_states=True).hidden_states
+        want = fresh(ids, output_hidden_states=True).hidden_states
+    assert len(got) == len(want) == model.config.num_hidden_layers + 1
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -1,8 +1,11 @@
 import math
 
+import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+import kernels
 from kernels import attention_backends, drafter_attention
 
 
@@ -71,3 +74,66 @@ def test_sdpa_supports_backward(case):
 
 def test_backends_listed():
     assert attention_backends()[0] == "sdpa" and "flex" in attention_backends()
+
+
+# --- oneDNN linears with pre-packed weights (CPU) ---
+
+needs_onednn = pytest.mark.skipif(not kernels.can_prepack(torch.zeros(1)), reason="this torch has no oneDNN")
+
+
+@needs_onednn
+@settings(max_examples=30, deadline=None)
+@given(in_f=st.integers(1, 80), out_f=st.integers(1, 80), lead=st.lists(st.integers(1, 9), min_size=1, max_size=2),
+       bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_packed_linear_equals_f_linear(in_f, out_f, lead, bias, dtype, seed):
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(in_f, out_f, bias=bias).to(dtype)
+    x = torch.randn(*lead, in_f).to(dtype)
+    packed = kernels.PackedLinear(lin.weight, lin.bias)
+    with torch.no_grad():
+        got = packed(x)
+        exact = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+    assert got.shape == exact.shape and got.dtype == dtype
+    # float32: summation-order rounding only; bfloat16: float32 accumulation, one rounding of the output
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(got.double(), exact, **tol)
+
+
+@needs_onednn
+def test_packed_linear_trains_through_f_linear():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(12, 5)
+    packed = kernels.PackedLinear(lin.weight, lin.bias)
+    x = torch.randn(3, 12)
+    packed(x).square().sum().backward()
+    grad = lin.weight.grad.clone()
+    lin.weight.grad = None
+    F.linear(x, lin.weight, lin.bias).square().sum().backward()
+    assert torch.equal(grad, lin.weight.grad)
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["llama", "minimax_m3"])
+def test_prepacked_target_decodes_the_unpacked_targets_greedy_output(arch):
+    import copy
+
+    import spec_decode as sd
+    from targets import reference_greedy, tiny_drafter, tiny_target
+
+    model = tiny_target(arch)
+    sd.fix_partial_rotary(model)  # what Target does to a MiniMax-M3 model: the reference must run the same RoPE
+    drafter = tiny_drafter(model)
+    packed = copy.deepcopy(model)
+    assert kernels.prepack_linears(packed) > 0
+    target = sd.Target(packed, drafter.config.target_layer_ids)
+    assert target.prepacked and isinstance(target.lm_head_as(torch.float32), kernels.PackedLinear)
+    prompts = [[1, 2, 3], [5, 8, 13, 21, 34, 55]]
+    for method in ("dflash2", "ar"):
+        results = sd.generate(target, drafter, prompts, method=method, max_new_tokens=24)
+        for prompt, res in zip(prompts, results):
+            assert res.tokens == reference_greedy(model, prompt, 24)
+
+
+def test_prepack_skips_what_it_cannot_pack():
+    lin = torch.nn.Sequential(torch.nn.Linear(4, 4).double())
+    assert kernels.prepack_linears(lin) == 0 and type(lin[0]) is torch.nn.Linear
