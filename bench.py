@@ -83,7 +83,7 @@ def format_prompt(task, text):
 
 
 def maybe_compile(target, drafter, enabled):
-    """--compile: the compiled core (target, drafter, walk), run with static shapes."""
+    """--compile: the compiled core (drafter, walk, and the target except on CPU), run with static shapes."""
     if enabled:
         compile_core(target, drafter)
 

@@ -65,7 +65,7 @@ def parse_args(argv=None):
                    help="the drafter's (default: its checkpoint's, bfloat16 for the embedded one); it changes "
                         "drafts, hence speed, never the output")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile target, drafter and walk with static shapes (first call compiles)")
+                   help="torch.compile drafter, walk and (except on CPU) target with static shapes (first call compiles)")
     p.add_argument("--no-prepack", action="store_true",
                    help="CPU float32: keep aten's (MKL) linears instead of oneDNN with pre-packed weights "
                         "(same results to float32 rounding, slower verification)")

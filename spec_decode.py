@@ -352,16 +352,21 @@ def _install_output_hooks(model):
             maybe_install_capturing_hooks(m)
 
 
-def compile_core(target, drafter=None):
+def compile_core(target, drafter=None, compile_target=None):
     """torch.compile the hot functions: the target forward, the drafter forward and the walk.
 
     Use with generate(..., static=True): cache views come in a few bucketed lengths, so a
     warm-up at the real length compiles every shape and the steady state never recompiles.
+    compile_target: None = compile the target except on CPU, where inductor's graph of a
+    oneDNN-packed target measured slower than eager (README, "Compiled core").
     """
     # One graph per view bucket and prompt-width bucket; dynamo's default limit of 8 is too few.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    _install_output_hooks(target.model)
-    target.model.forward = torch.compile(target.model.forward, dynamic=False)
+    if compile_target is None:
+        compile_target = target.device.type != "cpu"
+    if compile_target:
+        _install_output_hooks(target.model)
+        target.model.forward = torch.compile(target.model.forward, dynamic=False)
     if drafter is not None:
         drafter.forward = torch.compile(drafter.forward, dynamic=False)
         drafter.context_kv = torch.compile(drafter.context_kv, dynamic=False)
