@@ -230,7 +230,7 @@ def main(argv=None):
                     help="the drafter's (default: its checkpoint's); changes speed and tau, never the output")
     ap.add_argument("--compile", action="store_true", help="compile the hot paths (see maybe_compile)")
     ap.add_argument("--no-prepack", action="store_true",
-                    help="CPU float32: keep aten's (MKL) linears instead of oneDNN with pre-packed weights")
+                    help="CPU: keep aten's linears instead of oneDNN with pre-packed weights")
     ap.add_argument("--profile", action="store_true",
                     help="also time each phase of a step (drafter, selector, verify, bookkeeping) at the lowest concurrency")
     ap.add_argument("--out", default="results.json")

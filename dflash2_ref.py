@@ -22,7 +22,7 @@ import torch
 
 import model
 import spec_decode as sd
-from kernels import PackedLinear, prepack_linears
+from kernels import prepack_linears
 
 TRACE_FORMAT = "dflash2-trace/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,8 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="torch.compile drafter, walk and (except on CPU) target with static shapes (first call compiles)")
     p.add_argument("--no-prepack", action="store_true",
-                   help="CPU float32: keep aten's (MKL) linears instead of oneDNN with pre-packed weights "
-                        "(same results to float32 rounding, slower verification)")
+                   help="CPU: keep aten's linears instead of oneDNN with pre-packed weights "
+                        "(same results up to rounding, slower verification)")
     p.add_argument("--baseline", action="store_true", help="also decode autoregressively and report the speedup")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
     p.add_argument("--trace", metavar="FILE", help="write a JSON Lines trace of every verification step")
@@ -189,8 +189,7 @@ def load_pair(target_name, draft_name, device, dtype, needs_draft=True, draft_dt
         if prepack:
             prepack_linears(drafter)
     target = sd.Target(lm, drafter.config.target_layer_ids if drafter is not None else ())
-    prepacked = any(isinstance(m, PackedLinear) for m in lm.modules())
-    return Pair(lm, tok, drafter, target, target_id, target_dir, draft_id, draft_dir, dtype, device, prepacked)
+    return Pair(lm, tok, drafter, target, target_id, target_dir, draft_id, draft_dir, dtype, device, target.prepacked)
 
 
 def check_pair(lm, drafter):

@@ -1,5 +1,5 @@
 """Kernels: attention for the drafter, each beside the plain SDPA reference it must equal; and
-pre-packed oneDNN linears for a float32 target on CPU."""
+pre-packed oneDNN linears for CPU."""
 import functools
 import itertools
 import weakref
@@ -136,6 +136,8 @@ class PackedLinear(torch.nn.Module):
     autograd on, or an input of another dtype, it falls back to F.linear, so training through it
     still works. Results agree with F.linear to rounding (the summation order differs); for most
     shapes a row's output does not depend on the other rows of the batch, which MKL does not offer.
+    The packed copy doubles the memory of the weights it covers; weights changed after packing are
+    not seen (pack after loading, as load_target does).
     """
 
     def __init__(self, weight, bias=None):

@@ -595,8 +595,8 @@ MINIMAX_M3_KEYS = {r"^language_model\.model\.": "model.", r"^language_model\.lm_
 def load_target(name_or_path: str | None = None, device="cpu", dtype=torch.float32, prepack=True):
     """Return (model, tokenizer) for a transformers causal LM: a local dir, a hub id, or the default.
 
-    prepack: on CPU in float32, run the linears through oneDNN with weights packed once
-    (kernels.prepack_linears): same results to float32 rounding, much faster for multi-token verify.
+    prepack: on CPU (float32 or bfloat16), run the linears through oneDNN with weights packed once
+    (kernels.prepack_linears): same results up to rounding, much faster for multi-token verify.
 
     MiniMax-M3 checkpoints (model_type "minimax_m3", text or VL layout) load as transformers'
     minimax_m3_vl_text model.
