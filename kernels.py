@@ -144,6 +144,7 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight, self.bias = weight, bias
+        self._bias = None if bias is None else bias.detach()  # what the inference path passes, made once
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)  # 8: the block's rows
         self._key = next(_KEYS)
         _PACKED[self._key] = self._packed
@@ -151,8 +152,7 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x):
         if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.detach()
-        return packed_linear(x, bias, self.out_features, self._key)
+        return packed_linear(x, self._bias, self.out_features, self._key)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN packed"
