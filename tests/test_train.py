@@ -143,3 +143,57 @@ def test_plot_draws_both_runs(tmp_path):
     png = tmp_path / "curves.png"
     train.plot_history([rec(1), rec(2)], png, window=2, before=[rec(1), rec(2), rec(3)])
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_extra_data_is_mixed_in_at_the_requested_share(tmp_path, monkeypatch):
+    """--extra-data adds a second data set; --extra-share fixes how many of each step's sequences come from it."""
+    import pytest
+
+    (tmp_path / "a").mkdir()
+    model, _, args = _tiny_setup(tmp_path / "a")
+    other = tmp_path / "b"
+    other.mkdir()
+    _tiny_setup(other, n_seqs=3)
+    shard = torch.load(other / "data" / "shard_00000.pt")
+    shard["prompt_lens"] = [3] * len(shard["ids"])  # marks the extra set's sequences (the main set's are 4)
+    torch.save(shard, other / "data" / "shard_00000.pt")
+    seen = []
+    real = train.make_batch
+    monkeypatch.setattr(train, "make_batch", lambda seqs, *a: seen.append(seqs) or real(seqs, *a))
+    args.steps, args.extra_data, args.extra_share = 6, [str(other / "data")], 0.5
+    train.train(args, target=model)
+    assert len(seen) == 6
+    for seqs in seen:
+        assert sorted(p for _, _, p in seqs) == [3, 3, 4, 4]  # round(0.5 * 4) from the extra set
+    (other / "data" / "meta.json").write_text(json.dumps({"target": "tiny", "taps": [0, 1]}))
+    with pytest.raises(SystemExit, match="extra-data"):
+        train.train(args, target=model)
+
+
+def test_training_prompts_never_contain_evaluation_text():
+    """Every prompt source is built without the test sets: no GSM8K test question, MATH-500 problem,
+    HumanEval prompt, MBPP test task or MT-Bench turn appears in any training prompt."""
+    import gzip
+    from pathlib import Path
+
+    import pytest
+
+    root = Path("../shared/data")
+    if not root.exists():
+        pytest.skip("../shared/data is not present")
+    prompts = train.training_prompts(str(root), sources=train.PROMPT_SOURCES, seed=0, num_math=300, num_talk=300)
+    assert len(prompts) == len(set(prompts)) > 8000
+    blob = "\n\x00".join(prompts)
+    evals = [json.loads(line)["question"] for line in open(root / "gsm8k" / "test.jsonl")]
+    evals += [json.loads(line)["question"] for line in open(root / "math500" / "test.jsonl")]
+    evals += [json.loads(line)["prompt"] for line in gzip.open(root / "humaneval" / "HumanEval.jsonl.gz", "rt")]
+    mbpp = json.loads((root / "mbpp" / "sanitized-mbpp.json").read_text())
+    evals += [r[k] for r in mbpp if 11 <= r["task_id"] <= 510 for k in ("prompt", "code")]
+    evals += [json.loads(line)["turns"][0] for line in open(root / "mt_bench" / "question.jsonl")]
+    assert len(evals) > 1400
+    leaked = [e[:60] for e in evals if e.strip()[:80] in blob]
+    assert not leaked
+    # the default sources are the stage 1-2 set, and unknown sources are refused
+    assert len(train.training_prompts(str(root))) == 8035
+    with pytest.raises(ValueError, match="unknown prompt source"):
+        train.training_prompts(str(root), sources=("gsm8k", "wiki"))
