@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from kernels import prepack_linears
-from model import DEFAULT_DRAFT, DFlash2Drafter, load_target, stop_token_ids
+from model import DEFAULT_DRAFT, DFlash2Drafter, check_attn_backend, load_target, stop_token_ids
 from spec_decode import METHODS, Target, compile_core, generate
 from train import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
 
@@ -80,6 +80,62 @@ def format_prompt(task, text):
     if task == "humaneval":
         return HUMANEVAL_WRAP.format(prompt=text)
     return text  # mbpp: the problem text as is; mt-bench: the first turn
+
+
+# Random-weight pairs of realistic shapes, to time steps where no checkpoint is at hand (the GPU check
+# of README "Compiled core"): with random weights tau means nothing, the per-step split does.
+SYNTHETIC = {
+    # MiniMax-M3's text layout (SPEC §7: 3 dense layers, then MSA attention + MoE with 128 experts, top-4,
+    # a shared expert; per-head QK norm, RoPE over 64 of 128 dims) with MiniMax-M2's published widths
+    # (hidden 3072, 48 query / 8 KV heads, expert width 1536), since M3.1-Flash's config is not public.
+    "minimax-m3": dict(hidden_size=3072, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
+                       rotary_dim=64, vocab_size=200064, intermediate_size=1536, dense_intermediate_size=8192,
+                       shared_intermediate_size=1536, num_local_experts=128, num_experts_per_tok=4,
+                       index_n_heads=4, index_head_dim=128, index_block_size=128, index_topk_blocks=16,
+                       dense_layers=3, layers=8),
+    "tiny": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rotary_dim=8,
+                 vocab_size=256, intermediate_size=32, dense_intermediate_size=64, shared_intermediate_size=32,
+                 num_local_experts=4, num_experts_per_tok=2, index_n_heads=2, index_head_dim=8, index_block_size=4,
+                 index_topk_blocks=2, dense_layers=1, layers=4),
+}
+
+
+def synthetic_pair(name, layers, device, dtype, draft_dtype, attn_backend, prepack, seed=0):
+    """(target model, drafter) with random weights: a MiniMax-M3-layout target and a drafter shaped like
+    the published DFlash 2 ones (5 layers, intermediate 3x hidden, head_dim 128 (16 for tiny), GQA 4:1,
+    5 taps spread over the target, block 8, K 16, rank 256)."""
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+    from model import DFlash2Config
+
+    shape = dict(SYNTHETIC[name])
+    dense, layers = shape.pop("dense_layers"), layers or shape.pop("layers")
+    shape.pop("layers", None)
+    if layers <= dense:
+        raise SystemExit(f"--synthetic-layers must exceed the {dense} dense layers of {name}, got {layers}")
+    torch.manual_seed(seed)
+    cfg = MiniMaxM3VLTextConfig(num_hidden_layers=layers, max_position_embeddings=8192, bos_token_id=None,
+                                eos_token_id=None, pad_token_id=None,
+                                layer_types=["full_attention"] * dense + ["minimax_m3_sparse"] * (layers - dense),
+                                mlp_layer_types=["dense"] * dense + ["sparse"] * (layers - dense), **shape)
+    with torch.device(device):  # initialise where it runs: a full-width layer set is many GB
+        model = MiniMaxM3VLForCausalLM(cfg).to(dtype).eval()
+    H, hd = cfg.hidden_size, 16 if name == "tiny" else 128
+    taps = sorted({round(i * (layers - 1) / 4) for i in range(5)})
+    dcfg = DFlash2Config(hidden_size=H, intermediate_size=3 * H, num_hidden_layers=5, num_attention_heads=H // hd,
+                         num_key_value_heads=max(1, H // hd // 4), head_dim=hd, vocab_size=cfg.vocab_size,
+                         num_target_layers=layers, target_layer_ids=taps, mask_token_id=cfg.vocab_size - 1,
+                         rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=8192,
+                         layer_types=["sliding_attention"] * 5, sliding_window=2048, use_sliding_window=True,
+                         block_size=8, selector_rank=256 if name != "tiny" else 16, selector_top_k=16,
+                         dtype="bfloat16").validate()
+    with torch.device(device):
+        drafter = DFlash2Drafter(dcfg, attn_backend).to(draft_dtype or torch.bfloat16)
+    if prepack:
+        prepack_linears(model)
+        prepack_linears(drafter)
+    return model, drafter.eval()
 
 
 def maybe_compile(target, drafter, enabled):
@@ -233,6 +289,14 @@ def main(argv=None):
                     help="CPU: keep aten's linears instead of oneDNN with pre-packed weights")
     ap.add_argument("--profile", action="store_true",
                     help="also time each phase of a step (drafter, selector, verify, bookkeeping) at the lowest concurrency")
+    ap.add_argument("--attn-backend", choices=["sdpa", "flex", "flash"], default=None,
+                    help="the drafter's attention kernel (default: FA4 on sm90/sm100 when installed, Flex on other "
+                         "GPUs, SDPA on CPU)")
+    ap.add_argument("--synthetic", choices=sorted(SYNTHETIC), default=None,
+                    help="time a random-weight pair of this shape on random prompts instead of --target/--draft "
+                         "and the tasks (tau is meaningless then; the per-step split with --profile is the point)")
+    ap.add_argument("--synthetic-layers", type=int, default=None, help="target layers of --synthetic (default 8 / 4)")
+    ap.add_argument("--synthetic-prompt-len", type=int, default=256)
     ap.add_argument("--out", default="results.json")
     ap.add_argument("--plot", default=None, help="also draw tau and throughput to this image (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -241,21 +305,37 @@ def main(argv=None):
     if args.num_prompts < 1:
         raise SystemExit(f"--num-prompts must be >= 1, got {args.num_prompts}")
 
-    texts = load_tasks(args.tasks, args.data_dir, args.num_prompts)
+    try:  # before any slow load
+        args.attn_backend = check_attn_backend(args.attn_backend, args.device)
+    except ValueError as e:
+        raise SystemExit(f"--attn-backend: {e}") from None
     dtype = getattr(torch, args.dtype)
-    model, tokenizer = load_target(args.target, device=args.device, dtype=dtype, prepack=not args.no_prepack)
-    drafter = None
-    if any(m != "ar" for m in args.methods):
-        drafter = DFlash2Drafter.from_pretrained(args.draft, device=args.device,
-                                                 dtype=getattr(torch, args.draft_dtype) if args.draft_dtype else None)
-    if drafter is not None and not args.no_prepack:
-        prepack_linears(drafter)
+    draft_dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else None
+    if args.synthetic:
+        model, drafter = synthetic_pair(args.synthetic, args.synthetic_layers, args.device, dtype, draft_dtype,
+                                        args.attn_backend, prepack=not args.no_prepack, seed=args.seed)
+        g = torch.Generator().manual_seed(args.seed)
+        vocab = model.config.vocab_size - 1  # the last id is the drafter's mask token
+        args.tasks = ["synthetic"]
+        prompts = {"synthetic": [torch.randint(vocab, (args.synthetic_prompt_len,), generator=g).tolist()
+                                 for _ in range(args.num_prompts)]}
+        stop_ids = []  # random weights: every request runs to max_new_tokens
+    else:
+        texts = load_tasks(args.tasks, args.data_dir, args.num_prompts)
+        model, tokenizer = load_target(args.target, device=args.device, dtype=dtype, prepack=not args.no_prepack)
+        drafter = None
+        if any(m != "ar" for m in args.methods):
+            drafter = DFlash2Drafter.from_pretrained(args.draft, device=args.device, dtype=draft_dtype,
+                                                     attn_backend=args.attn_backend)
+        if drafter is not None and not args.no_prepack:
+            prepack_linears(drafter)
+        stop_ids = stop_token_ids(model, tokenizer)
+        prompts = {task: [chat_ids(tokenizer, format_prompt(task, t)) for t in ts] for task, ts in texts.items()}
     if drafter is not None:  # record what ran
         args.draft_dtype = str(next(drafter.parameters()).dtype).removeprefix("torch.")
+        args.attn_backend = drafter.attn_backend
     target = Target(model, drafter.config.target_layer_ids if drafter is not None else ())
     maybe_compile(target, drafter, args.compile)
-    stop_ids = stop_token_ids(model, tokenizer)
-    prompts = {task: [chat_ids(tokenizer, format_prompt(task, t)) for t in ts] for task, ts in texts.items()}
 
     # Untimed warm-up of every method, so one-time costs (allocator, kernels, compilation) are billed to no one.
     first = next(iter(prompts.values()))[0]

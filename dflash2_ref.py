@@ -66,6 +66,9 @@ def parse_args(argv=None):
                         "drafts, hence speed, never the output")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile drafter, walk and (except on CPU) target with static shapes (first call compiles)")
+    p.add_argument("--attn-backend", choices=["sdpa", "flex", "flash"],
+                   help="the drafter's attention kernel (default: FA4 on sm90/sm100 when installed, FlexAttention "
+                        "on other GPUs, SDPA on CPU)")
     p.add_argument("--no-prepack", action="store_true",
                    help="CPU: keep aten's linears instead of oneDNN with pre-packed weights "
                         "(same results up to rounding, slower verification)")
@@ -96,6 +99,14 @@ def check_args(args):
         torch.empty(0, device=device)
     except Exception as e:
         raise UsageError(f"--device {args.device!r} is not usable here: {one_line(e)}") from e
+    if getattr(args, "attn_backend", None) is not None:
+        try:
+            model.check_attn_backend(args.attn_backend, device)
+        except ValueError as e:
+            raise UsageError(f"--attn-backend: {e}") from e
+        if args.compile and args.attn_backend == "flex" and device.type == "cpu":
+            raise UsageError("--attn-backend flex cannot be compiled on CPU (torch 2.13's CPU inductor has no "
+                             "lowering for it inside the drafter); use sdpa with --compile")
     dtype = DTYPES[args.dtype] if args.dtype else torch.float32 if device.type == "cpu" else torch.bfloat16
     return device, dtype
 
@@ -170,7 +181,8 @@ def resolve_draft(name):
         raise Failure(f"--draft: {one_line(e)}") from e
 
 
-def load_pair(target_name, draft_name, device, dtype, needs_draft=True, draft_dtype=None, prepack=True):
+def load_pair(target_name, draft_name, device, dtype, needs_draft=True, draft_dtype=None, prepack=True,
+              attn_backend=None):
     """Load the target (+ tokenizer) and, unless decoding autoregressively, the drafter; check they fit."""
     # Resolve both before loading either, so a missing drafter fails before the slow target load.
     draft_id, draft_dir = resolve_draft(draft_name) if needs_draft else (None, None)
@@ -182,7 +194,8 @@ def load_pair(target_name, draft_name, device, dtype, needs_draft=True, draft_dt
     drafter = None
     if needs_draft:
         try:
-            drafter = model.DFlash2Drafter.from_pretrained(draft_dir, device=device, dtype=draft_dtype)
+            drafter = model.DFlash2Drafter.from_pretrained(draft_dir, device=device, dtype=draft_dtype,
+                                                           attn_backend=attn_backend)
         except Exception as e:  # CheckpointError, bad JSON, unreadable safetensors
             raise Failure(f"cannot load drafter {draft_id}: {one_line(e)}") from e
         check_pair(lm, drafter)
@@ -478,7 +491,8 @@ def decode_main(args):
     text = read_prompt(args)
     device, dtype = check_args(args)
     pair = load_pair(args.target, args.draft, device, dtype, needs_draft=args.method != "ar",
-                     draft_dtype=DTYPES[args.draft_dtype] if args.draft_dtype else None, prepack=not args.no_prepack)
+                     draft_dtype=DTYPES[args.draft_dtype] if args.draft_dtype else None, prepack=not args.no_prepack,
+                     attn_backend=args.attn_backend)
     prompt = encode_prompt(pair.tokenizer, text, args.system, chat=not args.no_chat_template)
     settings = decode_settings(args, pair, model.stop_token_ids(pair.model, pair.tokenizer))
     if args.compile:  # compile at the edge; the loop itself stays plain Python

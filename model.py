@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import drafter_attention, prepack_linears
+from kernels import attention_backends, default_backend, drafter_attention, prepack_linears
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -389,6 +389,18 @@ class CheckpointError(ValueError):
     pass
 
 
+def check_attn_backend(backend, device):
+    """The drafter attention backend to use on device: backend if it can run there, the device's
+    default (kernels.default_backend) when None; a clear error otherwise."""
+    if backend is None:
+        return default_backend(device)
+    available = attention_backends(device)
+    if backend not in available:
+        raise ValueError(f"attention backend {backend!r} cannot run on {torch.device(device)}; available there: "
+                         f"{', '.join(available)} (flash needs an sm90/sm100 GPU and the flash-attn-4 package)")
+    return backend
+
+
 class DFlash2Drafter(nn.Module):
     """fc + hidden_norm fuse the tapped target features; 5 bidirectional layers draft a block."""
 
@@ -452,8 +464,12 @@ class DFlash2Drafter(nn.Module):
     # -- checkpoint I/O ---------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path_or_hub_id, device=None, dtype=None, attn_backend="sdpa"):
-        """Load config.json + model.safetensors (or a sharded index) from a directory or a hub id."""
+    def from_pretrained(cls, path_or_hub_id, device=None, dtype=None, attn_backend=None):
+        """Load config.json + model.safetensors (or a sharded index) from a directory or a hub id.
+
+        attn_backend: "sdpa", "flex" or "flash" (kernels.drafter_attention); None = the device's default.
+        """
+        attn_backend = check_attn_backend(attn_backend, device or "cpu")
         path = _resolve_checkpoint(path_or_hub_id)
         config = DFlash2Config.from_dict(_read_json(path / "config.json"))
         state = _read_safetensors(path)

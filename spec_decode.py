@@ -368,6 +368,9 @@ def compile_core(target, drafter=None, compile_target=None):
         _install_output_hooks(target.model)
         target.model.forward = torch.compile(target.model.forward, dynamic=False)
     if drafter is not None:
+        if drafter.attn_backend == "flex" and target.device.type == "cpu":
+            raise ValueError("the CPU flex attention backend cannot be compiled inside the drafter (torch 2.13's "
+                             "CPU inductor has no lowering for it there); use --attn-backend sdpa with --compile")
         drafter.forward = torch.compile(drafter.forward, dynamic=False)
         drafter.context_kv = torch.compile(drafter.context_kv, dynamic=False)
         selector = drafter.candidate_selector

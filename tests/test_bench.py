@@ -147,3 +147,28 @@ def test_compiled_run_is_lossless(tiny_pair, tmp_path):
                          "--max-new-tokens", "12", "--device", "cpu", "--compile", "--out", str(tmp_path / "r.json")])
     assert [r["identical_to_ar"] for r in report["results"]] == [True, True]
     assert report["config"]["compile"] is True
+
+
+def test_synthetic_pair_is_timed_without_checkpoints_and_stays_lossless(tmp_path):
+    """--synthetic builds a random MiniMax-M3-layout target and a published-shape drafter: no files needed,
+    every request runs to max_new_tokens, the step split is reported, and greedy drafting still equals ar."""
+    report = bench.main(["--synthetic", "tiny", "--methods", "ar,dflash2", "--concurrency", "1,2", "--num-prompts",
+                         "2", "--max-new-tokens", "12", "--profile", "--out", str(tmp_path / "syn.json")])
+    assert report["config"]["synthetic"] == "tiny" and report["config"]["attn_backend"] == "sdpa"
+    rows = {(r["method"], r["concurrency"]): r for r in report["results"]}
+    assert all(r["task"] == "synthetic" and r["completion_tokens"] == 24 for r in rows.values())
+    assert rows["dflash2", 1]["identical_to_ar"] and rows["dflash2", 2]["identical_to_ar"]
+    split = rows["dflash2", 1]["step_ms"]
+    assert split["verify"] > 0 and split["drafter"] > 0 and split["selector"] > 0
+
+
+def test_attention_backend_that_cannot_run_here_is_refused_before_loading(tmp_path):
+    import torch
+
+    from kernels import attention_backends
+
+    if "flash" in attention_backends(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+        pytest.skip("FA4 is available here")
+    with pytest.raises(SystemExit, match="backend 'flash' cannot run"):
+        bench.main(["--target", str(tmp_path / "never-loaded"), "--attn-backend", "flash", "--tasks", "gsm8k",
+                    "--out", str(tmp_path / "x.json")])

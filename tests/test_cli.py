@@ -115,6 +115,8 @@ def bad_inputs(tmp):
         (["--prompt", "the", "--target", str(tmp / "missing"), "--draft", str(GOLDEN / "draft")], 1,
          "no such model directory"),
         (["--check-trace", str(tmp / "missing.jsonl")], 2, "not a readable JSON Lines trace"),
+        (["--prompt", "the", "--attn-backend", "flash"], 2, "attention backend 'flash' cannot run on cpu"),
+        (["--prompt", "the", "--attn-backend", "flex", "--compile"], 2, "flex cannot be compiled on CPU"),
     ]
 
 
