@@ -144,9 +144,11 @@ class SlotCacheLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _write(self, buf, new):
+        # buf[r, :, pos[r, t]] = new[r, :, t]: an index_put_, which inductor updates in place (a scatter_
+        # into a cache buffer compiles to a copy of the whole buffer, twice, on every forward)
         pos = self.cache.write_positions
-        idx = pos[:, None, :, None].expand(new.shape[0], new.shape[1], pos.shape[1], new.shape[-1])
-        buf.scatter_(2, idx, new.to(buf.dtype))
+        rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
+        buf[rows, :, pos] = new.transpose(1, 2).to(buf.dtype)
         return buf[:, :, : self.cache.view_len]
 
     def update(self, key_states, value_states, *args, **kwargs):

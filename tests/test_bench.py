@@ -172,3 +172,20 @@ def test_attention_backend_that_cannot_run_here_is_refused_before_loading(tmp_pa
     with pytest.raises(SystemExit, match="backend 'flash' cannot run"):
         bench.main(["--target", str(tmp_path / "never-loaded"), "--attn-backend", "flash", "--tasks", "gsm8k",
                     "--out", str(tmp_path / "x.json")])
+
+
+def test_synthetic_minimax_shape_is_the_documented_one():
+    """The GPU check's pair, built on the meta device (no memory): MiniMax-M3 layout with M2's attention widths,
+    and a published-shape drafter tapping five layers spread over the target."""
+    import torch
+
+    model, drafter = bench.synthetic_pair("minimax-m3", 8, "meta", torch.bfloat16, None, "sdpa", prepack=False)
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (3072, 48, 8, 128)
+    assert cfg.layer_types == ["full_attention"] * 3 + ["minimax_m3_sparse"] * 5
+    assert cfg.num_local_experts == 128 and cfg.num_experts_per_tok == 4
+    d = drafter.config
+    assert (d.num_hidden_layers, d.hidden_size, d.intermediate_size, d.head_dim) == (5, 3072, 9216, 128)
+    assert d.target_layer_ids == [0, 2, 4, 5, 7] and d.block_size == 8 and d.selector_top_k == 16
+    with pytest.raises(SystemExit, match="must exceed the 3 dense layers"):
+        bench.synthetic_pair("minimax-m3", 3, "meta", torch.bfloat16, None, "sdpa", prepack=False)
