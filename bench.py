@@ -110,8 +110,8 @@ def synthetic_pair(name, layers, device, dtype, draft_dtype, attn_backend, prepa
     from model import DFlash2Config
 
     shape = dict(SYNTHETIC[name])
-    dense, layers = shape.pop("dense_layers"), layers or shape.pop("layers")
-    shape.pop("layers", None)
+    dense, default_layers = shape.pop("dense_layers"), shape.pop("layers")
+    layers = layers or default_layers
     if layers <= dense:
         raise SystemExit(f"--synthetic-layers must exceed the {dense} dense layers of {name}, got {layers}")
     torch.manual_seed(seed)
@@ -139,7 +139,7 @@ def synthetic_pair(name, layers, device, dtype, draft_dtype, attn_backend, prepa
 
 
 def maybe_compile(target, drafter, enabled):
-    """--compile: the compiled core (drafter, walk, and the target except on CPU), run with static shapes."""
+    """--compile: the compiled core (target forward, drafter, walk), run with static shapes."""
     if enabled:
         compile_core(target, drafter)
 

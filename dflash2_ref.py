@@ -65,7 +65,7 @@ def parse_args(argv=None):
                    help="the drafter's (default: its checkpoint's, bfloat16 for the embedded one); it changes "
                         "drafts, hence speed, never the output")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile drafter, walk and (except on CPU) target with static shapes (first call compiles)")
+                   help="torch.compile the target forward, the drafter and the walk, with static shapes (first call compiles)")
     p.add_argument("--attn-backend", choices=["sdpa", "flex", "flash"],
                    help="the drafter's attention kernel (default: FA4 on sm90/sm100 when installed, FlexAttention "
                         "on other GPUs, SDPA on CPU)")

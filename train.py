@@ -573,11 +573,11 @@ def train(args, target=None):
     return drafter, history
 
 
-def plot_history(history, path, window=50, before=None):
+def plot_history(history, path, window=50, before=()):
     """Loss and per-slot top-1 accuracy over training (moving averages), saved as an image.
 
-    before: the history of the run this one started from (`train --init`), drawn first; a dotted
-    line marks where the second run begins.
+    before: the histories of the runs this one continues (`train --init`), oldest first, drawn first;
+    a dotted line marks where each later run begins.
     """
     import matplotlib
 
@@ -587,8 +587,13 @@ def plot_history(history, path, window=50, before=None):
     def smooth(xs):
         return [sum(xs[max(0, i - window + 1) : i + 1]) / len(xs[max(0, i - window + 1) : i + 1]) for i in range(len(xs))]
 
-    offset = before[-1]["step"] if before else 0
-    history = (before or []) + [dict(h, step=h["step"] + offset) for h in history]
+    joined, starts = [], []
+    for run in list(before) + [history]:
+        offset = joined[-1]["step"] if joined else 0
+        if joined:
+            starts.append(offset)
+        joined += [dict(h, step=h["step"] + offset) for h in run]
+    history = joined
     steps = [h["step"] for h in history]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax1.plot(steps, smooth([h["ce"] for h in history]), label="draft CE (position-weighted)")
@@ -602,9 +607,9 @@ def plot_history(history, path, window=50, before=None):
     ax2.plot(steps, smooth([h["selector_acc"] for h in history]), "k--", label="selector (gold in C_t)")
     ax2.set_xlabel("step")
     ax2.set_ylabel("top-1 accuracy")
-    if offset:
+    for start in starts:
         for ax in (ax1, ax2):
-            ax.axvline(offset, color="gray", linestyle=":", label="_nolegend_")
+            ax.axvline(start, color="gray", linestyle=":", label="_nolegend_")
     ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
@@ -656,15 +661,15 @@ def main():
     pl = sub.add_parser("plot", help="draw the loss and per-slot accuracy curves (needs matplotlib)")
     pl.add_argument("--out", default="runs/smollm2")
     pl.add_argument("--png", default="docs/training.png")
-    pl.add_argument("--before", default=None, metavar="JSON",
-                    help="history.json of the run this one was --init from, drawn first")
+    pl.add_argument("--before", action="append", default=[], metavar="JSON",
+                    help="history.json of a run this one continues (--init), drawn first; repeat, oldest first")
     args = ap.parse_args()
     if args.cmd == "data":
         make_data(args)
     elif args.cmd == "train":
         train(args)
     else:
-        before = json.loads(Path(args.before).read_text()) if args.before else None
+        before = [json.loads(Path(b).read_text()) for b in args.before]
         plot_history(json.loads((Path(args.out) / "history.json").read_text()), args.png, before=before)
 
 

@@ -22,7 +22,7 @@ def test_compiled_equals_eager_and_never_recompiles(backend):
     eager = [sd.generate(target, drafter, [p], max_new_tokens=512)[0].tokens for p in prompts]
 
     drafter.attn_backend = backend
-    sd.compile_core(target, drafter, compile_target=True)  # the CPU default leaves the target eager
+    sd.compile_core(target, drafter)
     warm = sd.generate(target, drafter, [prompts[0]], max_new_tokens=512, static=True)[0]
     graphs = counters["stats"]["unique_graphs"]
     frames, recompiles = dict(counters["frames"]), dict(counters["recompiles"])
@@ -95,7 +95,7 @@ def test_compiled_core_with_prepacked_linears():
     refs = [reference_greedy(model, p, 40) for p in prompts]
     assert kernels.prepack_linears(model) > 0 and kernels.prepack_linears(drafter) > 0
     target = sd.Target(model, drafter.config.target_layer_ids)
-    sd.compile_core(target, drafter, compile_target=True)  # the CPU default leaves the target eager
+    sd.compile_core(target, drafter)
     out = sd.generate(target, drafter, prompts, max_new_tokens=40, static=True)
     assert [r.tokens for r in out] == refs
     assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]

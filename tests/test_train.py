@@ -135,13 +135,13 @@ def test_init_fine_tunes_a_published_checkpoint(tmp_path):
         train.train(argparse.Namespace(**{**vars(args2), "out": str(bad)}), target=model)
 
 
-def test_plot_draws_both_runs(tmp_path):
+def test_plot_draws_every_stage(tmp_path):
     import pytest
 
     pytest.importorskip("matplotlib")
     rec = lambda s: {"step": s, "ce": 2.0 / s, "selector_ce": 1.0 / s, "acc": [0.1 * s] * 3, "selector_acc": 0.5}
     png = tmp_path / "curves.png"
-    train.plot_history([rec(1), rec(2)], png, window=2, before=[rec(1), rec(2), rec(3)])
+    train.plot_history([rec(1), rec(2)], png, window=2, before=[[rec(1), rec(2), rec(3)], [rec(1)]])
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
