@@ -306,7 +306,7 @@ def main(argv=None):
         raise SystemExit(f"--num-prompts must be >= 1, got {args.num_prompts}")
 
     try:  # before any slow load
-        args.attn_backend = check_attn_backend(args.attn_backend, args.device)
+        args.attn_backend = check_attn_backend(args.attn_backend, args.device, compiled=args.compile)
     except ValueError as e:
         raise SystemExit(f"--attn-backend: {e}") from None
     dtype = getattr(torch, args.dtype)

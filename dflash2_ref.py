@@ -101,12 +101,9 @@ def check_args(args):
         raise UsageError(f"--device {args.device!r} is not usable here: {one_line(e)}") from e
     if getattr(args, "attn_backend", None) is not None:
         try:
-            model.check_attn_backend(args.attn_backend, device)
+            model.check_attn_backend(args.attn_backend, device, compiled=args.compile)
         except ValueError as e:
             raise UsageError(f"--attn-backend: {e}") from e
-        if args.compile and args.attn_backend == "flex" and device.type == "cpu":
-            raise UsageError("--attn-backend flex cannot be compiled on CPU (torch 2.13's CPU inductor has no "
-                             "lowering for it inside the drafter); use sdpa with --compile")
     dtype = DTYPES[args.dtype] if args.dtype else torch.float32 if device.type == "cpu" else torch.bfloat16
     return device, dtype
 

@@ -389,15 +389,19 @@ class CheckpointError(ValueError):
     pass
 
 
-def check_attn_backend(backend, device):
-    """The drafter attention backend to use on device: backend if it can run there, the device's
-    default (kernels.default_backend) when None; a clear error otherwise."""
+def check_attn_backend(backend, device, compiled=False):
+    """The drafter attention backend to use on device: backend if it can run there (inside a compiled
+    drafter when compiled), the device's default (kernels.default_backend) when None; else a clear error."""
+    device = torch.device(device)
     if backend is None:
         return default_backend(device)
     available = attention_backends(device)
     if backend not in available:
-        raise ValueError(f"attention backend {backend!r} cannot run on {torch.device(device)}; available there: "
+        raise ValueError(f"attention backend {backend!r} cannot run on {device}; available there: "
                          f"{', '.join(available)} (flash needs an sm90/sm100 GPU and the flash-attn-4 package)")
+    if compiled and backend == "flex" and device.type == "cpu":
+        raise ValueError("attention backend 'flex' cannot be compiled into the drafter on CPU (torch 2.13's CPU "
+                         "inductor has no lowering for it there); use sdpa with --compile")
     return backend
 
 

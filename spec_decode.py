@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import kernels
-from model import dflash1_walk
+from model import check_attn_backend, dflash1_walk
 
 # --- sampling and verification math ---
 
@@ -367,9 +367,7 @@ def compile_core(target, drafter=None, compile_target=True):
         _install_output_hooks(target.model)
         target.model.forward = torch.compile(target.model.forward, dynamic=False)
     if drafter is not None:
-        if drafter.attn_backend == "flex" and target.device.type == "cpu":
-            raise ValueError("the CPU flex attention backend cannot be compiled inside the drafter (torch 2.13's "
-                             "CPU inductor has no lowering for it there); use --attn-backend sdpa with --compile")
+        check_attn_backend(drafter.attn_backend, target.device, compiled=True)
         drafter.forward = torch.compile(drafter.forward, dynamic=False)
         drafter.context_kv = torch.compile(drafter.context_kv, dynamic=False)
         selector = drafter.candidate_selector

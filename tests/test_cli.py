@@ -116,7 +116,7 @@ def bad_inputs(tmp):
          "no such model directory"),
         (["--check-trace", str(tmp / "missing.jsonl")], 2, "not a readable JSON Lines trace"),
         (["--prompt", "the", "--attn-backend", "flash"], 2, "attention backend 'flash' cannot run on cpu"),
-        (["--prompt", "the", "--attn-backend", "flex", "--compile"], 2, "flex cannot be compiled on CPU"),
+        (["--prompt", "the", "--attn-backend", "flex", "--compile"], 2, "'flex' cannot be compiled into the drafter on CPU"),
     ]
 
 
