@@ -146,9 +146,7 @@ class SlotCacheLayer(CacheLayerMixin):
     def _write(self, buf, new):
         # buf[r, :, pos[r, t]] = new[r, :, t]: an index_put_, which inductor updates in place (a scatter_
         # into a cache buffer compiles to a copy of the whole buffer, twice, on every forward)
-        pos = self.cache.write_positions
-        rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
-        buf[rows, :, pos] = new.transpose(1, 2).to(buf.dtype)
+        buf[self.cache.write_rows, :, self.cache.write_positions] = new.transpose(1, 2).to(buf.dtype)
         return buf[:, :, : self.cache.view_len]
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -185,6 +183,7 @@ class SlotCache(Cache):
     def __init__(self, num_layers, max_len):
         self.max_len = max_len
         self.write_positions = None
+        self.write_rows = None  # [b, 1] row index for the writes, made once per forward, not per layer
         self.view_len = 0
         super().__init__(layers=[SlotCacheLayer(self) for _ in range(num_layers)])
 
@@ -263,6 +262,7 @@ class Target:
         and features [b, T, n*H] (empty when no layers are tapped).
         """
         cache.write_positions = positions
+        cache.write_rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         cache.view_len = view_len
         slots = torch.arange(view_len, device=ids.device)
         dtype = self.lm_head_weight.dtype
