@@ -197,3 +197,16 @@ def test_training_prompts_never_contain_evaluation_text():
     assert len(train.training_prompts(str(root))) == 8035
     with pytest.raises(ValueError, match="unknown prompt source"):
         train.training_prompts(str(root), sources=("gsm8k", "wiki"))
+
+
+def test_seen_prompts_reads_every_answered_prompt(tmp_path):
+    """`train.py data --exclude DIR` skips prompts already answered in DIR: the set holds exactly the
+    prompt ids of every stored sequence (not the responses), and an empty folder is an error."""
+    import pytest
+
+    _tiny_setup(tmp_path, n_seqs=3)
+    seen = train.seen_prompts([tmp_path / "data"])
+    assert seen == {(1 + i, 5, 9, 2 + i) for i in range(3)}
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no shard"):
+        train.seen_prompts([tmp_path / "empty"])
