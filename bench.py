@@ -144,6 +144,51 @@ def maybe_compile(target, drafter, enabled):
         compile_core(target, drafter)
 
 
+def core_functions(target, drafter):
+    """The (object, attribute) pairs compile_core replaces, with what they hold now."""
+    pairs = [(target.model, "forward")]
+    if drafter is not None:
+        sel = drafter.candidate_selector
+        pairs += [(drafter, "forward"), (drafter, "context_kv"), (sel, "edge_scores"), (sel, "walk")]
+    return [(obj, name, getattr(obj, name)) for obj, name in pairs]
+
+
+def alternate(target, drafter, prompts, args, stop_ids, eager, compiled):
+    """--alternate N: decode every task's prompts N times per method, eager and compiled in turn in one
+    process, so the machine's drift hits both alike. Rows carry tok/s per (round, mode)."""
+    rows, first = [], {}
+    for rnd in range(args.alternate):
+        for mode, funcs in (("eager", eager), ("compiled", compiled)):
+            for obj, name, fn in funcs:
+                setattr(obj, name, fn)
+            args.compile = mode == "compiled"  # static shapes go with the compiled core
+            for task in args.tasks:
+                for c in args.concurrency:
+                    for m in args.methods:
+                        results, wall = run_method(target, drafter, prompts[task], m, c, args, stop_ids,
+                                                   f"round {rnd + 1} {mode} {task} {m} c={c}")
+                        out = [r.tokens for r in results]
+                        ref = first.setdefault((task, c, "ar" if "ar" in args.methods else m), out)
+                        tokens = sum(len(t) for t in out)
+                        rows.append(dict(round=rnd + 1, mode=mode, task=task, method=m, concurrency=c,
+                                         throughput_tok_s=tokens / wall, completion_tokens=tokens, wall_s=wall,
+                                         identical_to_ar=out == ref if args.temperature == 0 else None))
+    args.compile = True
+    lines = ["Eager vs compiled, alternating in one process: tok/s per round\n",
+             "| task | method | c | " + " | ".join(f"eager {i + 1} | compiled {i + 1}" for i in range(args.alternate))
+             + " | compiled / eager (mean) |", "|---" * (4 + 2 * args.alternate) + "|"]
+    for task in args.tasks:
+        for c in args.concurrency:
+            for m in args.methods:
+                mine = [r for r in rows if (r["task"], r["method"], r["concurrency"]) == (task, m, c)]
+                tok = {mode: [r["throughput_tok_s"] for r in mine if r["mode"] == mode] for mode in ("eager", "compiled")}
+                cells = [f"{e:.1f} | {k:.1f}" for e, k in zip(tok["eager"], tok["compiled"])]
+                ratio = statistics.mean(tok["compiled"]) / statistics.mean(tok["eager"])
+                lines.append(f"| {task} | {m} | {c} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
+    print("\n".join(lines))
+    return rows
+
+
 def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, desc, timings=None):
     """Decode prompts in consecutive chunks of `concurrency`; returns the Results and the wall time."""
     results = []
@@ -285,6 +330,9 @@ def main(argv=None):
     ap.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="the drafter's (default: its checkpoint's); changes speed and tau, never the output")
     ap.add_argument("--compile", action="store_true", help="compile the hot paths (see maybe_compile)")
+    ap.add_argument("--alternate", type=int, default=0, metavar="N",
+                    help="with --compile: decode N rounds, eager then compiled each round, in one process, and "
+                         "print tok/s per round (a drifting machine hits both modes alike)")
     ap.add_argument("--no-prepack", action="store_true",
                     help="CPU: keep aten's linears instead of oneDNN with pre-packed weights")
     ap.add_argument("--profile", action="store_true",
@@ -304,6 +352,8 @@ def main(argv=None):
         raise SystemExit("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
     if args.num_prompts < 1:
         raise SystemExit(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.alternate < 0 or (args.alternate and not args.compile):
+        raise SystemExit("--alternate N needs N >= 1 and --compile (it alternates eager and compiled runs)")
 
     try:  # before any slow load
         args.attn_backend = check_attn_backend(args.attn_backend, args.device, compiled=args.compile)
@@ -335,6 +385,7 @@ def main(argv=None):
         args.draft_dtype = str(next(drafter.parameters()).dtype).removeprefix("torch.")
         args.attn_backend = drafter.attn_backend
     target = Target(model, drafter.config.target_layer_ids if drafter is not None else ())
+    eager = core_functions(target, drafter)
     maybe_compile(target, drafter, args.compile)
 
     # Untimed warm-up of every method, so one-time costs (allocator, kernels, compilation) are billed to no one.
@@ -343,6 +394,19 @@ def main(argv=None):
     for m in args.methods:
         generate(target, drafter, [first], method=m, max_new_tokens=args.max_new_tokens if args.compile else 8,
                  block_size=args.block_size, static=args.compile)
+
+    if args.alternate:
+        for obj, name, fn in (compiled := core_functions(target, drafter)):  # warm the eager path up too
+            setattr(obj, name, next(f for o, n, f in eager if o is obj and n == name))
+        for m in args.methods:
+            generate(target, drafter, [first], method=m, max_new_tokens=8, block_size=args.block_size)
+        rows = alternate(target, drafter, prompts, args, stop_ids, eager, compiled)
+        for r in rows:
+            if r["identical_to_ar"] is False:
+                print(f"WARNING: round {r['round']} {r['mode']} {r['method']} output differs on {r['task']}", flush=True)
+        report = {"config": dict(vars(args), torch=torch.__version__), "alternate": rows}
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        return report
 
     rows, outputs = [], {}
     for task in args.tasks:

@@ -189,3 +189,21 @@ def test_synthetic_minimax_shape_is_the_documented_one():
     assert d.target_layer_ids == [0, 2, 4, 5, 7] and d.block_size == 8 and d.selector_top_k == 16
     with pytest.raises(SystemExit, match="must exceed the 3 dense layers"):
         bench.synthetic_pair("minimax-m3", 3, "meta", torch.bfloat16, None, "sdpa", prepack=False)
+
+
+@pytest.mark.slow
+def test_alternate_runs_eager_and_compiled_in_turn(tiny_pair, tmp_path, capsys):
+    """--alternate N: N rounds of eager then compiled in one process, every output equal to the first ar run."""
+    target_dir, draft_dir = tiny_pair
+    write_tiny_data(tmp_path / "data")
+    report = bench.main(["--target", str(target_dir), "--draft", str(draft_dir), "--data-dir", str(tmp_path / "data"),
+                         "--tasks", "gsm8k", "--methods", "ar,dflash2", "--concurrency", "1", "--num-prompts", "2",
+                         "--max-new-tokens", "12", "--device", "cpu", "--compile", "--alternate", "2",
+                         "--out", str(tmp_path / "r.json")])
+    rows = report["alternate"]
+    assert [(r["round"], r["mode"], r["method"]) for r in rows] == [
+        (k, mode, m) for k in (1, 2) for mode in ("eager", "compiled") for m in ("ar", "dflash2")]
+    assert all(r["identical_to_ar"] is True and r["throughput_tok_s"] > 0 for r in rows)
+    assert "| gsm8k | dflash2 | 1 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--alternate N needs"):
+        bench.main(["--alternate", "2", "--out", str(tmp_path / "x.json")])
