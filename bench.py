@@ -396,8 +396,9 @@ def main(argv=None):
                  block_size=args.block_size, static=args.compile)
 
     if args.alternate:
-        for obj, name, fn in (compiled := core_functions(target, drafter)):  # warm the eager path up too
-            setattr(obj, name, next(f for o, n, f in eager if o is obj and n == name))
+        compiled = core_functions(target, drafter)
+        for obj, name, fn in eager:  # warm the eager path up too
+            setattr(obj, name, fn)
         for m in args.methods:
             generate(target, drafter, [first], method=m, max_new_tokens=8, block_size=args.block_size)
         rows = alternate(target, drafter, prompts, args, stop_ids, eager, compiled)
