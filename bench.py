@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from kernels import prepack_linears
 from model import DEFAULT_DRAFT, DFlash2Drafter, check_attn_backend, load_target, stop_token_ids
+import spec_decode
 from spec_decode import METHODS, Target, compile_core, generate
 from train import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
 
@@ -145,12 +146,8 @@ def maybe_compile(target, drafter, enabled):
 
 
 def core_functions(target, drafter):
-    """The (object, attribute) pairs compile_core replaces, with what they hold now."""
-    pairs = [(target.model, "forward")]
-    if drafter is not None:
-        sel = drafter.candidate_selector
-        pairs += [(drafter, "forward"), (drafter, "context_kv"), (sel, "edge_scores"), (sel, "walk")]
-    return [(obj, name, getattr(obj, name)) for obj, name in pairs]
+    """What compile_core replaces (spec_decode.core_functions), with the callables they hold now."""
+    return [(obj, name, getattr(obj, name)) for obj, name in spec_decode.core_functions(target, drafter)]
 
 
 def alternate(target, drafter, prompts, args, stop_ids, eager, compiled):

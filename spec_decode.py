@@ -365,14 +365,19 @@ def compile_core(target, drafter=None, compile_target=True):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if compile_target:
         _install_output_hooks(target.model)
-        target.model.forward = torch.compile(target.model.forward, dynamic=False)
     if drafter is not None:
         check_attn_backend(drafter.attn_backend, target.device, compiled=True)
-        drafter.forward = torch.compile(drafter.forward, dynamic=False)
-        drafter.context_kv = torch.compile(drafter.context_kv, dynamic=False)
-        selector = drafter.candidate_selector
-        selector.edge_scores = torch.compile(selector.edge_scores, dynamic=False)
-        selector.walk = torch.compile(selector.walk, dynamic=False)
+    for obj, name in core_functions(target, drafter, compile_target):
+        setattr(obj, name, torch.compile(getattr(obj, name), dynamic=False))
+
+
+def core_functions(target, drafter=None, with_target=True):
+    """The (object, method name) pairs compile_core compiles in place."""
+    pairs = [(target.model, "forward")] if with_target else []
+    if drafter is not None:
+        sel = drafter.candidate_selector
+        pairs += [(drafter, "forward"), (drafter, "context_kv"), (sel, "edge_scores"), (sel, "walk")]
+    return pairs
 
 
 class _Timer:
