@@ -32,8 +32,8 @@ def process_logits(logits, temperature, top_k=0, top_p=1.0):
     """Target distribution P over the last dim, as plain sampling builds it.
 
     z = logits / temperature; z = -inf outside the top_k largest (ties with the k-th kept);
-    z = -inf outside the nucleus, the fewest highest-probability tokens of softmax(z) whose
-    mass reaches top_p (always at least one); P = softmax(z).
+    z = -inf outside the nucleus of softmax(z) (see nucleus_cutoff; always at least one token);
+    P = softmax(z).
     """
     check_sampling_params(temperature, top_p, top_k)
     if temperature == 0:
@@ -44,12 +44,49 @@ def process_logits(logits, temperature, top_k=0, top_p=1.0):
         kth = z.topk(top_k, dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
     if top_p < 1:
-        sorted_probs, order = z.softmax(-1).sort(-1, descending=True)
-        # A token is in the nucleus iff the mass strictly above it is still short of top_p.
-        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        z = z.masked_fill(drop, float("-inf"))
+        probs = z.softmax(-1)
+        z = z.masked_fill(probs < nucleus_cutoff(probs, top_p), float("-inf"))
     return z.softmax(-1)
+
+
+# On CPU a partial top-k is tens of times faster than a full sort of the vocabulary; the nucleus
+# of most rows fits in the first tier. Elsewhere a full sort is cheap and needs no host sync.
+NUCLEUS_TIERS = (256, 4096)
+
+
+def nucleus_cutoff(probs, top_p, tiers=None):
+    """The smallest probability kept in the nucleus, per row: probs [..., V] -> [..., 1].
+
+    The nucleus: sort the row descending; take the longest prefix in which the mass before each
+    token is < top_p (the first token always qualifies); then add every token tied with the last
+    one taken. So a token is kept iff probs >= cutoff, whatever order a sort gives equal values.
+    On CPU the sorted prefix comes from topk over growing tiers (a row moves to the next tier
+    only when its nucleus may not end inside the current one); the values, their order and so
+    the cutoff are exactly those of the full sort.
+    """
+    V = probs.shape[-1]
+    flat = probs.reshape(-1, V)
+    if tiers is None:
+        tiers = NUCLEUS_TIERS if probs.device.type == "cpu" else ()
+    cutoff = torch.empty(flat.shape[0], 1, dtype=probs.dtype, device=probs.device)
+    todo = None  # rows still open; None = all
+    for k in [k for k in tiers if k < V] + [V]:
+        rows = flat if todo is None else flat[todo]
+        vals = rows.topk(k, -1).values if k < V else rows.sort(-1, descending=True).values
+        inside = (vals.cumsum(-1) - vals < top_p).cumprod(-1)  # mass before each token < top_p, as a prefix
+        n_in = inside.sum(-1, keepdim=True)
+        found = vals.gather(-1, n_in - 1)
+        if todo is None:
+            cutoff = found
+        else:
+            cutoff[todo] = found
+        if k == V:
+            break
+        open_ = (n_in == k).squeeze(-1)  # every one of the k was inside: the nucleus may go on
+        if not bool(open_.any()):  # host sync; only on CPU (tiers are empty elsewhere)
+            break
+        todo = open_.nonzero().squeeze(-1) if todo is None else todo[open_]
+    return cutoff.view(*probs.shape[:-1], 1)
 
 
 def sample_from(probs, u):

@@ -277,6 +277,8 @@ def brute_force_process_logits(row, temperature, top_k, top_p):
             kept.add(t)
             mass += probs[t]
             margin = min(margin, abs(mass - top_p))
+        last = min(probs[t] for t in kept)
+        kept |= {t for t, x in enumerate(probs) if x == last}  # ties with the last one taken come too
         probs = [x if t in kept else 0.0 for t, x in enumerate(probs)]
         probs = [x / sum(probs) for x in probs]
     return probs, margin
@@ -305,6 +307,46 @@ def test_process_logits_matches_definition(rows, vocab, temperature, top_k, top_
             unfiltered = sd.process_logits(torch.tensor(row, dtype=torch.float64), temperature, top_k)
             mass = unfiltered[torch.tensor(got) > 0].sum().item()
             assert mass >= top_p - 1e-12 and mass - unfiltered[torch.tensor(got) > 0].min().item() < top_p
+
+
+@settings(FAST, max_examples=60)
+@given(
+    rows=st.integers(1, 6),
+    vocab=st.integers(1, 40),
+    spread=st.integers(0, 4),
+    top_p=st.floats(1e-3, 1.0, exclude_max=True),
+    tiers=st.lists(st.integers(1, 45), max_size=3).map(lambda t: tuple(sorted(t))),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_nucleus_with_ties_is_exact_and_order_free(rows, vocab, spread, top_p, tiers, seed):
+    """Integer logits in a narrow range tie a lot: the tiered top-k path must give the full sort's
+    cutoff exactly, the kept set must not depend on the vocabulary's order, and it must match the
+    definition (prefix, then every tie of the last token taken)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-spread, spread + 1, (rows, vocab), generator=gen).double()
+    probs = logits.softmax(-1)
+    full = sd.nucleus_cutoff(probs, top_p, tiers=())
+    assert torch.equal(sd.nucleus_cutoff(probs, top_p, tiers=tiers), full)
+    perm = torch.randperm(vocab, generator=gen)
+    kept = probs >= full
+    assert torch.equal((probs[:, perm] >= sd.nucleus_cutoff(probs[:, perm], top_p, tiers=tiers))[:, perm.argsort()], kept)
+    for row, k in zip(logits.tolist(), kept.tolist()):
+        want, margin = brute_force_process_logits(row, 1.0, 0, top_p)
+        assume(margin > 1e-9)
+        assert k == [w > 0 for w in want]
+
+
+def test_nucleus_tiers_match_the_full_sort_on_a_real_vocabulary():
+    """The CPU default tiers on a 49,152-token vocabulary, with nuclei inside the first tier, the
+    second, and past both (a flat row)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49152, generator=gen) * torch.tensor([12.0, 8.0, 5.0, 3.0, 1.0, 0.0])[:, None]
+    probs = logits.softmax(-1)
+    full = sd.nucleus_cutoff(probs, 0.95, tiers=())
+    assert torch.equal(sd.nucleus_cutoff(probs, 0.95), full)
+    sizes = (probs >= full).sum(-1)
+    first, second = sd.NUCLEUS_TIERS
+    assert (sizes < first).any() and ((first < sizes) & (sizes <= second)).any() and (sizes > second).any()
 
 
 @pytest.mark.parametrize(
