@@ -162,14 +162,19 @@ def alternate(target, drafter, prompts, args, stop_ids, eager, compiled):
             for task in args.tasks:
                 for c in args.concurrency:
                     for m in args.methods:
+                        timings = {} if args.profile else None
                         results, wall = run_method(target, drafter, prompts[task], m, c, args, stop_ids,
-                                                   f"round {rnd + 1} {mode} {task} {m} c={c}")
+                                                   f"round {rnd + 1} {mode} {task} {m} c={c}", timings)
                         out = [r.tokens for r in results]
                         ref = first.setdefault((task, c, "ar" if "ar" in args.methods else m), out)
                         tokens = sum(len(t) for t in out)
                         rows.append(dict(round=rnd + 1, mode=mode, task=task, method=m, concurrency=c,
                                          throughput_tok_s=tokens / wall, completion_tokens=tokens, wall_s=wall,
                                          identical_to_ar=out == ref if args.temperature == 0 else None))
+                        if timings is not None:
+                            steps = sum(r.verify_steps - 1 for r in results)
+                            rows[-1]["step_ms"] = {k: 1000 * v / max(steps, 1) for k, v in timings.items()
+                                                   if k != "prefill"}
     args.compile = True
     lines = ["Eager vs compiled, alternating in one process: tok/s per round\n",
              "| task | method | c | " + " | ".join(f"eager {i + 1} | compiled {i + 1}" for i in range(args.alternate))
@@ -182,6 +187,14 @@ def alternate(target, drafter, prompts, args, stop_ids, eager, compiled):
                 cells = [f"{e:.1f} | {k:.1f}" for e, k in zip(tok["eager"], tok["compiled"])]
                 ratio = statistics.mean(tok["compiled"]) / statistics.mean(tok["eager"])
                 lines.append(f"| {task} | {m} | {c} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
+    if args.profile:
+        phases = ["drafter", "selector", "verify", "bookkeeping"]
+        lines += ["", "Per-step time split by round, ms (--profile)\n",
+                  "| round | mode | task | method | " + " | ".join(phases) + " |", "|---" * (4 + len(phases)) + "|"]
+        for r in rows:
+            t = r["step_ms"]
+            lines.append(f"| {r['round']} | {r['mode']} | {r['task']} | {r['method']} | "
+                         + " | ".join(f"{t[k]:.1f}" if k in t else "–" for k in phases) + " |")
     print("\n".join(lines))
     return rows
 

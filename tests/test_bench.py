@@ -198,12 +198,15 @@ def test_alternate_runs_eager_and_compiled_in_turn(tiny_pair, tmp_path, capsys):
     write_tiny_data(tmp_path / "data")
     report = bench.main(["--target", str(target_dir), "--draft", str(draft_dir), "--data-dir", str(tmp_path / "data"),
                          "--tasks", "gsm8k", "--methods", "ar,dflash2", "--concurrency", "1", "--num-prompts", "2",
-                         "--max-new-tokens", "12", "--device", "cpu", "--compile", "--alternate", "2",
+                         "--max-new-tokens", "12", "--device", "cpu", "--compile", "--alternate", "2", "--profile",
                          "--out", str(tmp_path / "r.json")])
     rows = report["alternate"]
     assert [(r["round"], r["mode"], r["method"]) for r in rows] == [
         (k, mode, m) for k in (1, 2) for mode in ("eager", "compiled") for m in ("ar", "dflash2")]
     assert all(r["identical_to_ar"] is True and r["throughput_tok_s"] > 0 for r in rows)
-    assert "| gsm8k | dflash2 | 1 |" in capsys.readouterr().out
+    # --profile: every run's step split; ar has no drafter phase
+    assert all(r["step_ms"]["verify"] > 0 and ("drafter" in r["step_ms"]) == (r["method"] == "dflash2") for r in rows)
+    out = capsys.readouterr().out
+    assert "| gsm8k | dflash2 | 1 |" in out and "| 2 | compiled | gsm8k | dflash2 |" in out
     with pytest.raises(SystemExit, match="--alternate N needs"):
         bench.main(["--alternate", "2", "--out", str(tmp_path / "x.json")])
