@@ -68,8 +68,7 @@ def nucleus_cutoff(probs, top_p, tiers=None):
     flat = probs.reshape(-1, V)
     if tiers is None:
         tiers = NUCLEUS_TIERS if probs.device.type == "cpu" else ()
-    cutoff = torch.empty(flat.shape[0], 1, dtype=probs.dtype, device=probs.device)
-    todo = None  # rows still open; None = all
+    cutoff = todo = None  # todo: the rows still open (None: all of them, on the first pass)
     for k in [k for k in tiers if k < V] + [V]:
         rows = flat if todo is None else flat[todo]
         vals = rows.topk(k, -1).values if k < V else rows.sort(-1, descending=True).values
@@ -79,7 +78,7 @@ def nucleus_cutoff(probs, top_p, tiers=None):
         if todo is None:
             cutoff = found
         else:
-            cutoff[todo] = found
+            cutoff[todo] = found  # a row's later tier overrides its undecided first answer
         if k == V:
             break
         open_ = (n_in == k).squeeze(-1)  # every one of the k was inside: the nucleus may go on
