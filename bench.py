@@ -172,9 +172,7 @@ def alternate(target, drafter, prompts, args, stop_ids, eager, compiled):
                                          throughput_tok_s=tokens / wall, completion_tokens=tokens, wall_s=wall,
                                          identical_to_ar=out == ref if args.temperature == 0 else None))
                         if timings is not None:
-                            steps = sum(r.verify_steps - 1 for r in results)
-                            rows[-1]["step_ms"] = {k: 1000 * v / max(steps, 1) for k, v in timings.items()
-                                                   if k != "prefill"}
+                            rows[-1]["step_ms"] = step_ms(results, timings)
     args.compile = True
     lines = ["Eager vs compiled, alternating in one process: tok/s per round\n",
              "| task | method | c | " + " | ".join(f"eager {i + 1} | compiled {i + 1}" for i in range(args.alternate))
@@ -188,13 +186,12 @@ def alternate(target, drafter, prompts, args, stop_ids, eager, compiled):
                 ratio = statistics.mean(tok["compiled"]) / statistics.mean(tok["eager"])
                 lines.append(f"| {task} | {m} | {c} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
     if args.profile:
-        phases = ["drafter", "selector", "verify", "bookkeeping"]
         lines += ["", "Per-step time split by round, ms (--profile)\n",
-                  "| round | mode | task | method | " + " | ".join(phases) + " |", "|---" * (4 + len(phases)) + "|"]
+                  "| round | mode | task | method | " + " | ".join(PHASES) + " |", "|---" * (4 + len(PHASES)) + "|"]
         for r in rows:
             t = r["step_ms"]
             lines.append(f"| {r['round']} | {r['mode']} | {r['task']} | {r['method']} | "
-                         + " | ".join(f"{t[k]:.1f}" if k in t else "–" for k in phases) + " |")
+                         + " | ".join(f"{t[k]:.1f}" if k in t else "–" for k in PHASES) + " |")
     print("\n".join(lines))
     return rows
 
@@ -219,17 +216,25 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
     return results, wall
 
 
+PHASES = ["drafter", "selector", "verify", "bookkeeping"]  # generate(timings=...) per decode step
+
+
+def step_ms(results, timings):
+    """Milliseconds per decode step by phase (the prefill, its own phase, is left out)."""
+    steps = sum(r.verify_steps - 1 for r in results)  # decode steps: the prefill counts as step 1
+    return {k: 1000 * v / max(steps, 1) for k, v in timings.items() if k != "prefill"}
+
+
 def profile_table(rows):
     """Mean milliseconds per decode step by phase, and the drafting overhead relative to verification."""
-    phases = ["drafter", "selector", "verify", "bookkeeping"]
     out = ["Per-step time split, ms (overhead = drafter + selector + bookkeeping, as a share of verify)\n",
-           "| task | method | " + " | ".join(phases) + " | overhead |", "|---" * (len(phases) + 3) + "|"]
+           "| task | method | " + " | ".join(PHASES) + " | overhead |", "|---" * (len(PHASES) + 3) + "|"]
     for r in rows:
         if "step_ms" not in r:
             continue
         t = r["step_ms"]
         overhead = sum(t.get(k, 0.0) for k in ("drafter", "selector", "bookkeeping")) / t["verify"]
-        out.append(f"| {r['task']} | {r['method']} | " + " | ".join(f"{t.get(k, 0.0):.1f}" for k in phases)
+        out.append(f"| {r['task']} | {r['method']} | " + " | ".join(f"{t.get(k, 0.0):.1f}" for k in PHASES)
                    + f" | {100 * overhead:.0f}% |")
     return "\n".join(out) + "\n"
 
@@ -433,8 +438,7 @@ def main(argv=None):
                                  throughput_tok_s=tokens / wall, speedup_vs_ar=None, completion_tokens=tokens,
                                  wall_s=wall, identical_to_ar=None))
                 if timings is not None:
-                    steps = sum(r.verify_steps - 1 for r in results)  # decode steps (the prefill is separate)
-                    rows[-1]["step_ms"] = {k: 1000 * v / max(steps, 1) for k, v in timings.items() if k != "prefill"}
+                    rows[-1]["step_ms"] = step_ms(results, timings)
 
     greedy = args.temperature == 0
     for r in rows:
