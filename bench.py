@@ -226,16 +226,22 @@ def step_ms(results, timings):
 
 
 def profile_table(rows):
-    """Mean milliseconds per decode step by phase, and the drafting overhead relative to verification."""
-    out = ["Per-step time split, ms (overhead = drafter + selector + bookkeeping, as a share of verify)\n",
-           "| task | method | " + " | ".join(PHASES) + " | overhead |", "|---" * (len(PHASES) + 3) + "|"]
+    """Mean milliseconds per decode step by phase; the drafting overhead relative to verification; and what
+    a step costs in ar steps at the same task and concurrency: the tau a method needs to break even there."""
+    out = ["Per-step time split, ms (overhead = drafter + selector + bookkeeping, as a share of verify; "
+           "ar steps = this step's time / an ar step's at the same task and concurrency)\n",
+           "| task | concurrency | method | " + " | ".join(PHASES) + " | overhead | ar steps |",
+           "|---" * (len(PHASES) + 5) + "|"]
+    total = {(r["task"], r["concurrency"], r["method"]): sum(r["step_ms"].values()) for r in rows if "step_ms" in r}
     for r in rows:
         if "step_ms" not in r:
             continue
         t = r["step_ms"]
         overhead = sum(t.get(k, 0.0) for k in ("drafter", "selector", "bookkeeping")) / t["verify"]
-        out.append(f"| {r['task']} | {r['method']} | " + " | ".join(f"{t.get(k, 0.0):.1f}" for k in PHASES)
-                   + f" | {100 * overhead:.0f}% |")
+        ar = total.get((r["task"], r["concurrency"], "ar"))
+        cost = f"{total[r['task'], r['concurrency'], r['method']] / ar:.2f}" if ar else "–"
+        out.append(f"| {r['task']} | {r['concurrency']} | {r['method']} | "
+                   + " | ".join(f"{t.get(k, 0.0):.1f}" for k in PHASES) + f" | {100 * overhead:.0f}% | {cost} |")
     return "\n".join(out) + "\n"
 
 
@@ -351,7 +357,7 @@ def main(argv=None):
     ap.add_argument("--no-prepack", action="store_true",
                     help="CPU: keep aten's linears instead of oneDNN with pre-packed weights")
     ap.add_argument("--profile", action="store_true",
-                    help="also time each phase of a step (drafter, selector, verify, bookkeeping) at the lowest concurrency")
+                    help="also time each phase of a step (drafter, selector, verify, bookkeeping) at every concurrency")
     ap.add_argument("--attn-backend", choices=["sdpa", "flex", "flash"], default=None,
                     help="the drafter's attention kernel (default: FA4 on sm90/sm100 when installed, Flex on other "
                          "GPUs, SDPA on CPU)")
@@ -428,7 +434,7 @@ def main(argv=None):
     for task in args.tasks:
         for c in args.concurrency:
             for m in args.methods:
-                timings = {} if args.profile and c == min(args.concurrency) else None
+                timings = {} if args.profile else None
                 results, wall = run_method(target, drafter, prompts[task], m, c, args, stop_ids, f"{task} {m} c={c}",
                                            timings)
                 outputs[task, m, c] = [r.tokens for r in results]

@@ -91,7 +91,8 @@ def test_tiny_run_reports_every_field(tiny_pair, tmp_path, capsys):
                 "--max-new-tokens", "12", "--device", "cpu", "--profile", "--out", str(out)])
     report = json.loads(out.read_text())
     profiled = [r for r in report["results"] if "step_ms" in r]
-    assert {(r["method"], r["concurrency"]) for r in profiled} == {("ar", 1), ("dflash2", 1)}
+    assert {(r["task"], r["method"], r["concurrency"]) for r in profiled} == {
+        (t, m, c) for t in ("gsm8k", "mbpp") for m in ("ar", "dflash2") for c in (1, 2)}
     assert all(r["step_ms"]["verify"] > 0 for r in profiled)
     assert all(r["step_ms"]["drafter"] > 0 for r in profiled if r["method"] == "dflash2")
     assert report["config"]["block_size"] == 8 and report["config"]["methods"] == ["ar", "dflash2"]
@@ -108,6 +109,12 @@ def test_tiny_run_reports_every_field(tiny_pair, tmp_path, capsys):
         assert 3 <= r["completion_tokens"] <= 3 * 12
     printed = capsys.readouterr().out
     assert "Acceptance length τ" in printed and "| gsm8k |" in printed and "| mean |" in printed
+    # the split's last column: a dflash2 step's time in ar steps at the same task and concurrency
+    split = {(r["task"], r["method"], r["concurrency"]): sum(r["step_ms"].values()) for r in profiled}
+    for task, c in [("gsm8k", 1), ("mbpp", 2)]:
+        cost = split[task, "dflash2", c] / split[task, "ar", c]
+        assert f"| {task} | {c} | dflash2 | " in printed and printed.split(f"| {task} | {c} | dflash2 | ")[1].split(
+            "\n")[0].endswith(f"| {cost:.2f} |")
     assert "dflash2 c=2" in printed and "×)" in printed and "WARNING" not in printed
 
 
