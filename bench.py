@@ -220,16 +220,19 @@ PHASES = ["drafter", "selector", "verify", "bookkeeping"]  # generate(timings=..
 
 
 def step_ms(results, timings):
-    """Milliseconds per decode step by phase (the prefill, its own phase, is left out)."""
+    """Milliseconds per request-step by phase: a batched step's time shared among its rows, so at
+    concurrency 1 the time of a decode step (the prefill, its own phase, is left out)."""
     steps = sum(r.verify_steps - 1 for r in results)  # decode steps: the prefill counts as step 1
     return {k: 1000 * v / max(steps, 1) for k, v in timings.items() if k != "prefill"}
 
 
 def profile_table(rows):
-    """Mean milliseconds per decode step by phase; the drafting overhead relative to verification; and what
-    a step costs in ar steps at the same task and concurrency: the tau a method needs to break even there."""
-    out = ["Per-step time split, ms (overhead = drafter + selector + bookkeeping, as a share of verify; "
-           "ar steps = this step's time / an ar step's at the same task and concurrency)\n",
+    """Milliseconds per request-step by phase (see step_ms); the drafting overhead relative to verification;
+    and what a step costs in ar steps at the same task and concurrency. That cost is the tau a method needs
+    to break even there: its speedup over ar is about tau / cost (prefill aside)."""
+    out = ["", "Per-step time split, ms per request-step: a batched step's time shared among its rows (overhead = "
+           "drafter + selector + bookkeeping, as a share of verify; ar steps = this step's time / an ar step's at "
+           "the same task and concurrency: the tau that breaks even)\n",
            "| task | concurrency | method | " + " | ".join(PHASES) + " | overhead | ar steps |",
            "|---" * (len(PHASES) + 5) + "|"]
     total = {(r["task"], r["concurrency"], r["method"]): sum(r["step_ms"].values()) for r in rows if "step_ms" in r}
