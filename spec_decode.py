@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import kernels
-from model import check_attn_backend, dflash1_walk
+from model import check_attn_backend, dflash1_walk, sample_from
 
 # --- sampling and verification math ---
 
@@ -86,17 +86,6 @@ def nucleus_cutoff(probs, top_p, tiers=None):
             break
         todo = open_.nonzero().squeeze(-1) if todo is None else todo[open_]
     return cutoff.view(*probs.shape[:-1], 1)
-
-
-def sample_from(probs, u):
-    """Inverse-CDF draw: the token t with cdf(t-1) <= u * cdf(V-1) < cdf(t); probs [..., V] >= 0, unnormalised ok, u [...] in [0, 1)."""
-    cdf = probs.cumsum(-1)
-    x = u.to(cdf.dtype).unsqueeze(-1) * cdf[..., -1:]
-    token = torch.searchsorted(cdf, x, right=True).squeeze(-1)
-    # u * total can round up to total; never step past the last token that has mass.
-    positions = torch.arange(probs.shape[-1], device=probs.device)
-    last_with_mass = torch.where(probs > 0, positions, 0).amax(-1)
-    return torch.minimum(token, last_with_mass)
 
 
 def acceptance_probability(p_draft, q_draft):

@@ -82,6 +82,7 @@ def fit(target, drafter, steps=300):
 def write_models(directory):
     """Tiny Llama target (with tokenizer) and a matching drafter fitted to it, both seeded."""
     target = tiny_target("llama")
+    target.config.max_position_embeddings = 512  # the golden pair's window: test_cli's too-long prompt exceeds it
     tiny_tokenizer(target.config.vocab_size).save_pretrained(directory / "target")
     target.save_pretrained(directory / "target")
     target.requires_grad_(False)

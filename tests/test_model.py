@@ -454,6 +454,14 @@ def test_dflash1_sampled_walk_proposes_softmax():
     assert path.shape == (2, 5)
 
 
+def test_dflash1_sampled_walk_frequencies_follow_its_proposal():
+    U = torch.randn(1, 2, 10).expand(6000, -1, -1) * 2
+    path, q = dflash1_walk(U, 0.7, torch.Generator().manual_seed(0))
+    for t in range(2):
+        freq = torch.bincount(path[:, t], minlength=10).float() / len(path)
+        torch.testing.assert_close(freq, q[0, t], atol=0.025, rtol=0)
+
+
 def test_selector_init_follows_training_recipe(config):
     sel = CandidateSelector(tiny_glm_config(vocab_size=4096))
     assert (sel.successor_codebook == 0).all()
