@@ -242,7 +242,7 @@ def profile_table(rows):
         t = r["step_ms"]
         overhead = sum(t.get(k, 0.0) for k in ("drafter", "selector", "bookkeeping")) / t["verify"]
         ar = total.get((r["task"], r["concurrency"], "ar"))
-        cost = f"{total[r['task'], r['concurrency'], r['method']] / ar:.2f}" if ar else "–"
+        cost = f"{sum(t.values()) / ar:.2f}" if ar else "–"
         out.append(f"| {r['task']} | {r['concurrency']} | {r['method']} | "
                    + " | ".join(f"{t.get(k, 0.0):.1f}" for k in PHASES) + f" | {100 * overhead:.0f}% | {cost} |")
     return "\n".join(out) + "\n"
