@@ -392,7 +392,8 @@ def dflash1_walk(U, temperature=0.0, generator=None):
     """
     if temperature == 0:
         path = U.argmax(-1)
-        return path, F.one_hot(path, U.shape[-1]).float()
+        # written straight into float32, as the selector's walk does (F.one_hot builds an int64 copy first)
+        return path, torch.zeros(U.shape, device=U.device).scatter_(-1, path[..., None], 1.0)
     q = torch.softmax(U.float() / temperature, dim=-1)
     return sample_index(q, generator), q
 
