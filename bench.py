@@ -216,7 +216,7 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
     return results, wall
 
 
-PHASES = ["drafter", "selector", "verify", "bookkeeping"]  # generate(timings=...) per decode step
+PHASES = ["drafter", "selector", "verify", "bookkeeping"]  # the phases generate(timings=...) times in each step
 
 
 def step_ms(results, timings):
