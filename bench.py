@@ -197,18 +197,21 @@ def alternate(target, drafter, prompts, args, stop_ids, eager, compiled):
 
 
 def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, desc, timings=None):
-    """Decode prompts in consecutive chunks of `concurrency`; returns the Results and the wall time."""
-    results = []
+    """Decode prompts with `concurrency` requests in flight (a finished request's row takes the next
+    prompt at once); returns the Results and the wall time."""
     bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False)
+    emitted = [0] * len(prompts)
+
+    def on_emit(req, tokens):  # advance the bar when a request ends (generate's stop rule)
+        emitted[req] += len(tokens)
+        if tokens[-1] in stop_ids or emitted[req] >= args.max_new_tokens:
+            bar.update(1)
+
     start = time.perf_counter()
-    for i in range(0, len(prompts), concurrency):
-        chunk = prompts[i : i + concurrency]
-        # Same seed for the same chunk under every method.
-        results += generate(target, drafter, chunk, method=method, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + i,
-                            stop_ids=stop_ids, block_size=args.block_size, static=args.compile,
-                            timings=timings)
-        bar.update(len(chunk))
+    results = generate(target, drafter, prompts, method=method, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                       stop_ids=stop_ids, block_size=args.block_size, static=args.compile, timings=timings,
+                       on_emit=on_emit, max_batch=concurrency)
     if target.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - start

@@ -201,6 +201,12 @@ class SlotCacheLayer(CacheLayerMixin):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).index_select(0, rows))
 
+    def copy_rows(self, rows, other):
+        """Rows `rows` take over every slot of `other`'s rows (a request admitted into finished rows)."""
+        for name in ("keys", "values", "idx_keys"):
+            if getattr(self, name) is not None:
+                getattr(self, name)[rows] = getattr(other, name)
+
 
 class SlotCache(Cache):
     """The target's KV cache for ragged batches: one SlotCacheLayer per decoder layer."""
@@ -215,6 +221,10 @@ class SlotCache(Cache):
     def select_rows(self, rows):
         for layer in self.layers:
             layer.select_rows(rows)
+
+    def copy_rows(self, rows, other):
+        for layer, src in zip(self.layers, other.layers):
+            layer.copy_rows(rows, src)
 
 
 def fix_partial_rotary(model):
@@ -333,6 +343,10 @@ class DraftContext:
     def select_rows(self, rows):
         self.kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.kv]
 
+    def copy_rows(self, rows, other):
+        for (k, v), (ok, ov) in zip(self.kv, other.kv):
+            k[rows], v[rows] = ok, ov
+
 
 def draft(drafter, target, ctx, anchor, pos, ctx_len, block_size):
     """One drafter pass over [anchor, MASK x (B-1)] at positions pos..pos+B-1 (SPEC §3).
@@ -441,16 +455,42 @@ METHODS = ("dflash2", "dflash", "ar")
 VIEW_BUCKET = 128  # static mode: attention views grow in steps of this many slots
 
 
+def _prefill(target, drafter, prompts, max_len, B, static):
+    """One target forward over right-padded prompts into a new cache (pad slots lie in the future of
+    every real query); the drafter's context gets their features. Returns the cache, the draft
+    context (None without a drafter), the logits at each prompt's last token and the prompt lengths."""
+    device = target.device
+    lens = torch.tensor([len(p) for p in prompts])
+    width = int(lens.max())
+    if static:  # bucketed prompt width, so prompts of similar length share one compiled prefill
+        width = min(-(-width // 64) * 64, max_len - B - 1)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    ids, lens = ids.to(device), lens.to(device)
+    positions = torch.arange(width, device=device).expand_as(ids)
+    cache = target.new_cache(max_len)
+    logits, feats = target.forward(ids, positions, cache, width)
+    last = logits.gather(1, (lens - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1)
+    ctx = None
+    if drafter is not None:
+        ctx = DraftContext(drafter, len(prompts), max_len, device)
+        ctx.write(feats, positions)
+    return cache, ctx, last, lens
+
+
 @torch.inference_mode()
 def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, temperature=0.0, top_k=0,
              top_p=1.0, seed=0, stop_ids=(), block_size=None, on_emit=None, propose=None, trace=None,
-             static=False, timings=None):
+             static=False, timings=None, max_batch=None):
     """Speculative decoding of a batch of prompts (lists of token ids) with a ragged per-row state.
 
     Per step: draft block -> top-K candidates -> selector walk -> one target forward over
     [anchor, drafts] -> verification -> emit accepted + 1 tokens. `method="ar"` runs the same
-    cache code with no drafts. `propose(anchor, pos, rows) -> (drafts, q)` replaces the drafter
-    (tests use it to force chosen acceptance patterns). `on_emit(request, tokens)` streams output.
+    cache code with no drafts. `max_batch` caps the requests in flight: the rest wait in order and
+    each is prefilled into a row as soon as a request finishes (continuous batching); None runs
+    every prompt at once. `propose(anchor, pos, rows) -> (drafts, q)` replaces the drafter (tests
+    use it to force chosen acceptance patterns). `on_emit(request, tokens)` streams output.
     `trace(record)` receives every step's tensors; tracing adds host copies. `static=True` limits
     shapes to a few buckets (cache views rounded up to VIEW_BUCKET slots) for compiled cores. `timings`,
     a dict, accumulates seconds per phase: prefill, drafter, selector, verify, bookkeeping.
@@ -463,6 +503,8 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt must contain at least one token")
+    if max_batch is not None and max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     if method == "ar":
         B = 1
     else:
@@ -472,53 +514,63 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
         if drafter is not None and not 2 <= B <= drafter.config.block_size:
             raise ValueError(f"block_size must be in [2, {drafter.config.block_size}] (the drafter's), got {B}")
     device = target.device
-    lens = torch.tensor([len(p) for p in prompts])
-    max_len = int(lens.max()) + max_new_tokens + B + 1
+    max_len = max(len(p) for p in prompts) + max_new_tokens + B + 1
     limit = getattr(getattr(target.model.config, "text_config", target.model.config), "max_position_embeddings", None)
     if limit is not None and max_len > limit:
-        raise ValueError(f"prompt too long: {int(lens.max())} prompt tokens + {max_new_tokens} new tokens + block "
-                         f"{B} exceed the target's context of {limit} positions")
+        raise ValueError(f"prompt too long: {max(len(p) for p in prompts)} prompt tokens + {max_new_tokens} new "
+                         f"tokens + block {B} exceed the target's context of {limit} positions")
     if static:  # round up so later requests reuse the same compiled shapes
         max_len = min(-(-max_len // 256) * 256, limit or max_len)
     stop_ids = set(stop_ids)
     g = torch.Generator(device=device).manual_seed(seed)
     sampled = temperature > 0
+    drafter_ = drafter if method != "ar" else None
     results = [Result() for _ in prompts]
-    rows = torch.arange(len(prompts))  # row -> request index; shrinks as requests finish
-
-    # Prefill: right-padded prompts; pad slots lie in the future of every real query.
-    width = int(lens.max())
-    if static:  # bucketed prompt width, so prompts of similar length share one compiled prefill
-        width = min(-(-width // 64) * 64, max_len - B - 1)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = torch.tensor(p)
-    ids, pos = ids.to(device), lens.to(device)
     timer = _Timer(timings, device)
+
+    def first_tokens(last):
+        if sampled:
+            u = torch.rand(last.shape[0], generator=g, device=device)
+            return sample_from(process_logits(last, temperature, top_k, top_p), u)
+        return last.argmax(-1)
+
+    def start(req, token):
+        """A request's first token, from its prefill (the prefill counts as its first verification step)."""
+        results[req].verify_steps = 1
+        return _emit(results[req], [token], max_new_tokens, stop_ids, on_emit, req)
+
+    n = len(prompts) if max_batch is None else min(max_batch, len(prompts))
+    waiting = list(range(n, len(prompts)))  # requests not yet admitted, in order
     timer()
-    positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
-    cache = target.new_cache(max_len)
-    logits, feats = target.forward(ids, positions, cache, ids.shape[1])
-    last = logits.gather(1, (pos - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1)
-    if sampled:
-        u = torch.rand(len(prompts), generator=g, device=device)
-        anchor = sample_from(process_logits(last, temperature, top_k, top_p), u)
-    else:
-        anchor = last.argmax(-1)
-    ctx = None
-    if method != "ar" and drafter is not None:
-        ctx = DraftContext(drafter, len(prompts), max_len, device)
-        ctx.write(feats, positions)
+    cache, ctx, last, pos = _prefill(target, drafter_, prompts[:n], max_len, B, static)
+    anchor = first_tokens(last)
     host_anchor = anchor.cpu()  # host sync of the prefill
     timer("prefill")
-    host_pos = lens.clone()
-    live, live_count = None, 0  # device copy of `alive`, rebuilt only when a row finishes
-    alive = []
-    for r, req in enumerate(rows.tolist()):
-        alive.append(_emit(results[req], [int(host_anchor[r])], max_new_tokens, stop_ids, on_emit, req))
-        results[req].verify_steps = 1
+    rows = torch.arange(n)  # row -> request index
+    host_pos = pos.cpu()
+    live, live_count = None, 0  # device copy of `alive`, rebuilt only when it changes
+    alive = [start(req, int(host_anchor[r])) for r, req in enumerate(rows.tolist())]
 
     while True:
+        free = [r for r, a in enumerate(alive) if not a][: len(waiting)]
+        if free:  # admit waiting requests into finished rows: prefill them alone, then copy their rows in
+            reqs, waiting = waiting[: len(free)], waiting[len(free) :]
+            timer()
+            new_cache, new_ctx, last, new_pos = _prefill(target, drafter_, [prompts[q] for q in reqs], max_len, B,
+                                                         static)
+            first = first_tokens(last)
+            slots = torch.tensor(free, device=device)
+            cache.copy_rows(slots, new_cache)
+            if ctx is not None:
+                ctx.copy_rows(slots, new_ctx)
+            anchor[slots], pos[slots] = first, new_pos
+            host_first = first.cpu()
+            timer("prefill")
+            rows[free], host_pos[free] = torch.tensor(reqs), new_pos.cpu()
+            for i, (r, req) in enumerate(zip(free, reqs)):
+                alive[r] = start(req, int(host_first[i]))
+            live = None
+            continue  # an admitted request may already be done (stop token, or max_new_tokens = 1)
         keep = torch.tensor([r for r, a in enumerate(alive) if a], dtype=torch.long)
         if len(keep) == 0:
             break
@@ -533,7 +585,7 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
                 ctx.select_rows(dkeep)
             live = None
         b = len(rows)
-        if live is None or sum(alive) != live_count:  # rows only ever finish, so the count tells
+        if live is None or sum(alive) != live_count:  # rows only finish between admissions, so the count tells
             live, live_count = torch.tensor(alive, device=device), sum(alive)
         view_len = int(host_pos.max()) + B
         ctx_len = view_len - B

@@ -91,6 +91,41 @@ def test_batch_of_mixed_lengths_equals_each_alone(arch):
         assert res.tokens == alone.tokens and res.accepted == alone.accepted
 
 
+def _drafts_by_step(target, drafter, prompts, **kwargs):
+    """generate() plus every step's drafts, keyed by (request, step); a static run's frozen rows come
+    after their request's last step and are left out by keeping each key's first record."""
+    drafts = {}
+
+    def trace(rec):
+        for r, (req, step) in enumerate(zip(rec["requests"], rec["steps"])):
+            drafts.setdefault((req, step), rec["drafts"][r].tolist())
+
+    return sd.generate(target, drafter, prompts, trace=trace, **kwargs), drafts
+
+
+@pytest.mark.parametrize("arch", ["llama", "minimax_m3"])
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), method=st.sampled_from(["dflash2", "dflash", "ar"]), static=st.booleans())
+def test_continuous_batching_equals_each_alone(arch, data, method, static):
+    """With max_batch rows in flight, waiting requests are prefilled into finished rows; every request
+    must decode exactly as alone: same tokens, same acceptance, and the same drafts at every step (so
+    the copied target cache and drafter context are right, not only the lossless output)."""
+    model, target, drafter = pair(arch)
+    prompts = data.draw(st.lists(st.lists(st.integers(0, 62), min_size=1, max_size=12), min_size=2, max_size=6))
+    max_batch = data.draw(st.integers(1, len(prompts) - 1))
+    n = data.draw(st.integers(1, 16))
+    refs = [reference_greedy(model, p, n) for p in prompts]
+    stop = data.draw(st.sampled_from(sorted({t for r in refs for t in r})))  # some requests end early
+    kwargs = dict(method=method, max_new_tokens=n, stop_ids=[stop], static=static)
+    batch, drafts = _drafts_by_step(target, drafter, prompts, max_batch=max_batch, **kwargs)
+    for req, (p, ref, res) in enumerate(zip(prompts, refs, batch)):
+        assert res.tokens == (ref[: ref.index(stop) + 1] if stop in ref else ref)
+        alone, alone_drafts = _drafts_by_step(target, drafter, [p], **kwargs)
+        assert res.accepted == alone[0].accepted
+        assert {s: d for (q, s), d in drafts.items() if q == req and (0, s) in alone_drafts} == {
+            s: d for (_, s), d in alone_drafts.items()}
+
+
 def test_stop_token_ends_output_inside_an_accepted_run():
     model, target, drafter = pair("llama")
     prompt = [3, 1, 4, 1, 5]
@@ -147,6 +182,8 @@ def test_bad_inputs_are_named():
         sd.generate(target, drafter, [[1] * 1010], max_new_tokens=20)
     with pytest.raises(ValueError, match="at least one token"):
         sd.generate(target, drafter, [[]])
+    with pytest.raises(ValueError, match="max_batch"):
+        sd.generate(target, drafter, [[1]], max_batch=0)
 
 
 def test_minimax_m3_hub_checkpoint_loads_with_partial_rope(tmp_path):
@@ -191,10 +228,10 @@ def _target_law(model, prompt, n, temperature, top_p):
     return law
 
 
-def _loop_tv(model, target, drafter, method, rows=20000, n=2):
+def _loop_tv(model, target, drafter, method, rows=20000, n=2, max_batch=None):
     prompt = [5, 3, 9]
     results = sd.generate(target, drafter, [prompt] * rows, method=method, max_new_tokens=n, temperature=1.0,
-                          top_p=0.9, seed=11)
+                          top_p=0.9, seed=11, max_batch=max_batch)
     counts = {}
     for r in results:
         counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
@@ -216,11 +253,12 @@ def _sampling_pair():
     return model, sd.Target(model, drafter.config.target_layer_ids), drafter
 
 
-@pytest.mark.parametrize("method", ["dflash2", "dflash"])
-def test_sampling_loop_preserves_target_distribution(method):
-    """Monte Carlo through the real loop (drafter walk, verify_sampled, bookkeeping) vs the exact law."""
+@pytest.mark.parametrize("method,max_batch", [("dflash2", None), ("dflash", None), ("dflash2", 6000)])
+def test_sampling_loop_preserves_target_distribution(method, max_batch):
+    """Monte Carlo through the real loop (drafter walk, verify_sampled, bookkeeping) vs the exact law;
+    with max_batch, most requests are admitted into rows that other requests finished."""
     model, target, drafter = _sampling_pair()
-    tv, bound = _loop_tv(model, target, drafter, method)
+    tv, bound = _loop_tv(model, target, drafter, method, max_batch=max_batch)
     assert tv < bound, (tv, bound)
 
 
