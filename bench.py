@@ -7,7 +7,8 @@
 Every method decodes the same prompts in the same process, so the speedups are ratios measured in
 one run. Acceptance length tau = per-request mean of completion tokens / verification steps;
 throughput = total output tokens / end-to-end wall time (prefill included), with `concurrency`
-requests in flight, batched by our loop.
+requests in flight, batched by our loop: a finished request's row takes the next waiting prompt at
+once (continuous batching, as a serving engine's maximum concurrency does).
 """
 import argparse
 import gzip

@@ -524,7 +524,7 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
     stop_ids = set(stop_ids)
     g = torch.Generator(device=device).manual_seed(seed)
     sampled = temperature > 0
-    drafter_ = drafter if method != "ar" else None
+    ctx_drafter = drafter if method != "ar" else None  # whose context a prefill fills (none for ar)
     results = [Result() for _ in prompts]
     timer = _Timer(timings, device)
 
@@ -542,7 +542,7 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
     n = len(prompts) if max_batch is None else min(max_batch, len(prompts))
     waiting = list(range(n, len(prompts)))  # requests not yet admitted, in order
     timer()
-    cache, ctx, last, pos = _prefill(target, drafter_, prompts[:n], max_len, B, static)
+    cache, ctx, last, pos = _prefill(target, ctx_drafter, prompts[:n], max_len, B, static)
     anchor = first_tokens(last)
     host_anchor = anchor.cpu()  # host sync of the prefill
     timer("prefill")
@@ -556,8 +556,8 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
         if free:  # admit waiting requests into finished rows: prefill them alone, then copy their rows in
             reqs, waiting = waiting[: len(free)], waiting[len(free) :]
             timer()
-            new_cache, new_ctx, last, new_pos = _prefill(target, drafter_, [prompts[q] for q in reqs], max_len, B,
-                                                         static)
+            new = [prompts[q] for q in reqs]
+            new_cache, new_ctx, last, new_pos = _prefill(target, ctx_drafter, new, max_len, B, static)
             first = first_tokens(last)
             slots = torch.tensor(free, device=device)
             cache.copy_rows(slots, new_cache)
