@@ -514,11 +514,12 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
         if drafter is not None and not 2 <= B <= drafter.config.block_size:
             raise ValueError(f"block_size must be in [2, {drafter.config.block_size}] (the drafter's), got {B}")
     device = target.device
-    max_len = max(len(p) for p in prompts) + max_new_tokens + B + 1
+    longest = max(len(p) for p in prompts)
+    max_len = longest + max_new_tokens + B + 1
     limit = getattr(getattr(target.model.config, "text_config", target.model.config), "max_position_embeddings", None)
     if limit is not None and max_len > limit:
-        raise ValueError(f"prompt too long: {max(len(p) for p in prompts)} prompt tokens + {max_new_tokens} new "
-                         f"tokens + block {B} exceed the target's context of {limit} positions")
+        raise ValueError(f"prompt too long: {longest} prompt tokens + {max_new_tokens} new tokens + block {B} "
+                         f"exceed the target's context of {limit} positions")
     if static:  # round up so later requests reuse the same compiled shapes
         max_len = min(-(-max_len // 256) * 256, limit or max_len)
     stop_ids = set(stop_ids)
@@ -547,7 +548,7 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
     host_anchor = anchor.cpu()  # host sync of the prefill
     timer("prefill")
     rows = torch.arange(n)  # row -> request index
-    host_pos = pos.cpu()
+    host_pos = torch.tensor([len(p) for p in prompts[:n]])
     live, live_count = None, 0  # device copy of `alive`, rebuilt only when it changes
     alive = [start(req, int(host_anchor[r])) for r, req in enumerate(rows.tolist())]
 
@@ -566,7 +567,7 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
             anchor[slots], pos[slots] = first, new_pos
             host_first = first.cpu()
             timer("prefill")
-            rows[free], host_pos[free] = torch.tensor(reqs), new_pos.cpu()
+            rows[free], host_pos[free] = torch.tensor(reqs), torch.tensor([len(p) for p in new])
             for i, (r, req) in enumerate(zip(free, reqs)):
                 alive[r] = start(req, int(host_first[i]))
             live = None
