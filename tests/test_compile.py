@@ -91,12 +91,15 @@ def test_compiled_core_with_prepacked_linears():
     counters.clear()
     model = tiny_target("llama")
     drafter = tiny_drafter(model, head_dim=16)
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-    refs = [reference_greedy(model, p, 40) for p in prompts]
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 3]]
+    refs = [reference_greedy(model, p, 40) for p in prompts]  # before compiling: it would recompile per length
     assert kernels.prepack_linears(model) > 0 and kernels.prepack_linears(drafter) > 0
     target = sd.Target(model, drafter.config.target_layer_ids)
     sd.compile_core(target, drafter)
-    out = sd.generate(target, drafter, prompts, max_new_tokens=40, static=True)
+    out = sd.generate(target, drafter, prompts[:2], max_new_tokens=40, static=True)
+    assert [r.tokens for r in out] == refs[:2]
+    # continuous batching: the third request is prefilled into a finished row of the compiled batch
+    out = sd.generate(target, drafter, prompts, max_new_tokens=40, static=True, max_batch=2)
     assert [r.tokens for r in out] == refs
     assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]
 
