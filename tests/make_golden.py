@@ -14,7 +14,9 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import dflash2_ref  # noqa: E402
-import model  # noqa: E402
+from dflash2.pair import encode_prompt, load_pair  # noqa: E402
+from dflash2.trace import run  # noqa: E402
+from dflash2 import model  # noqa: E402
 from targets import reference_greedy, tiny_drafter, tiny_target  # noqa: E402
 
 GOLDEN = HERE / "golden"
@@ -62,7 +64,7 @@ def self_distilled(target, taps, n=32, length=40):
 
 def fit(target, drafter, steps=300):
     """A short run of the real training loss, so that greedy traces accept drafts too (a random drafter never does)."""
-    from train import default_gamma, drafter_loss, make_batch, position_weights
+    from dflash2.train import default_gamma, drafter_loss, make_batch, position_weights
 
     seqs = self_distilled(target, drafter.config.target_layer_ids)
     B = drafter.config.block_size
@@ -96,9 +98,9 @@ def main():
     root = GOLDEN.parent.parent
     # Ids relative to the repository root, so the traces do not name this machine's paths.
     target_id, draft_id = (str((GOLDEN / n).relative_to(root)) for n in ("target", "draft"))
-    pair = dflash2_ref.load_pair(str(GOLDEN / "target"), str(GOLDEN / "draft"), torch.device("cpu"), torch.float32)
+    pair = load_pair(str(GOLDEN / "target"), str(GOLDEN / "draft"), torch.device("cpu"), torch.float32)
     pair.target_id, pair.draft_id = target_id, draft_id
-    prompts = [dflash2_ref.encode_prompt(pair.tokenizer, p) for p in PROMPTS]
+    prompts = [encode_prompt(pair.tokenizer, p) for p in PROMPTS]
     stops = model.stop_token_ids(pair.model, pair.tokenizer)
     for name, settings in TRACES.items():
         settings = dict(dict(max_new_tokens=24, top_k=0, top_p=1.0, seed=0, stop_ids=stops,
@@ -108,7 +110,7 @@ def main():
             settings["block_size"] = None
             run_pair = dataclasses.replace(pair, drafter=None, draft_id=None, draft_dir=None)
         path = GOLDEN / f"{name}.jsonl"
-        dflash2_ref.run(run_pair, prompts, settings, trace_path=path)
+        run(run_pair, prompts, settings, trace_path=path)
         print(f"wrote {path.relative_to(root)}")
 
 

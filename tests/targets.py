@@ -4,7 +4,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MiniMaxM2Config, MiniMax
 from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
 from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
 
-from model import DFlash2Drafter, tiny_glm_config
+from dflash2.model import DFlash2Drafter, tiny_glm_config
 
 ARCHS = ("llama", "minimax_m2", "minimax_m3")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import bench
+from dflash2 import bench
 from targets import tiny_drafter, tiny_target
 from tiny_tokenizer import tiny_tokenizer
 
@@ -172,7 +172,7 @@ def test_synthetic_pair_is_timed_without_checkpoints_and_stays_lossless(tmp_path
 def test_attention_backend_that_cannot_run_here_is_refused_before_loading(tmp_path):
     import torch
 
-    from kernels import attention_backends
+    from dflash2.kernels import attention_backends
 
     if "flash" in attention_backends(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
         pytest.skip("FA4 is available here")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import dflash2_ref
-import model
-from model import DFlash2Drafter, tiny_glm_config
+from dflash2 import model, settings
+from dflash2.model import DFlash2Drafter, tiny_glm_config
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
@@ -56,7 +56,7 @@ def test_streamed_text_is_the_decoded_completion(capsys, method):
                     "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "5", "--block-size", "4",
                     "--json")
     assert out == json.loads(js)["text"] + "\n"
-    assert f"[{method}]" in err and "tau" in err and "tok/s" in err
+    assert f"[{method}]" in err and "acceptance_length" in err and "tokens_per_s" in err
 
 
 def test_system_message_and_raw_completion_change_the_prompt(capsys):
@@ -110,9 +110,9 @@ def bad_inputs(tmp):
          "vocab_size 128 does not match the target's LM head (64 rows)"),
         (["--prompt", "the", "--draft", drafter_dir(tmp / "l", num_target_layers=9, target_layer_ids=[1, 5])], 2,
          "target_layer_ids [5] do not exist in a target with 3 layers"),
-        (["--prompt", "the", "--draft", str(tmp / "missing")], 1, "not a checkpoint directory"),
+        (["--prompt", "the", "--draft", str(tmp / "missing")], 2, "no such checkpoint directory"),
         (["--prompt", "the", "--draft", str(corrupt)], 1, "cannot load drafter"),
-        (["--prompt", "the", "--target", str(tmp / "missing"), "--draft", str(GOLDEN / "draft")], 1,
+        (["--prompt", "the", "--target", str(tmp / "missing"), "--draft", str(GOLDEN / "draft")], 2,
          "no such model directory"),
         (["--check-trace", str(tmp / "missing.jsonl")], 2, "not a readable JSON Lines trace"),
         (["--prompt", "the", "--attn-backend", "flash"], 2, "attention backend 'flash' cannot run on cpu"),
@@ -135,9 +135,10 @@ def test_debug_shows_the_traceback(capsys):
 
 
 def test_missing_embedded_drafter_is_one_line(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(model, "DEFAULT_DRAFT", tmp_path / "dflash2-smollm2-135m")
+    monkeypatch.setattr(settings, "DEFAULT_DRAFT", tmp_path / "dflash2-smollm2-135m")
     rc, _, err = cli(capsys, "--target", str(GOLDEN / "target"), "--prompt", "the")
-    assert rc == 1 and err.startswith("error: no embedded drafter yet") and err.count("\n") == 1
+    assert rc == 2 and err.startswith("error: drafter dflash2-smollm2-135m: no such checkpoint directory")
+    assert err.count("\n") == 1
 
 
 @pytest.mark.slow

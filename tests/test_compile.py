@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import kernels
-import spec_decode as sd
+from dflash2 import kernels
+from dflash2 import spec_decode as sd
 from targets import reference_greedy, tiny_drafter, tiny_target
 
 

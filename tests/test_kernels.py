@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-import kernels
-from kernels import attention_backends, drafter_attention
+from dflash2 import kernels
+from dflash2.kernels import attention_backends, drafter_attention
 
 
 @st.composite
@@ -117,7 +117,7 @@ def test_packed_linear_trains_through_f_linear():
 def test_prepacked_target_decodes_the_unpacked_targets_greedy_output(arch):
     import copy
 
-    import spec_decode as sd
+    from dflash2 import spec_decode as sd
     from targets import reference_greedy, tiny_drafter, tiny_target
 
     model = tiny_target(arch)

@@ -6,7 +6,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
-from model import (CandidateSelector, CheckpointError, DFlash2Config, DFlash2Drafter, DynamicConv,
+from dflash2.model import (CandidateSelector, CheckpointError, DFlash2Config, DFlash2Drafter, DynamicConv,
                    dflash1_walk, tiny_glm_config)
 
 FAST = settings(max_examples=20, deadline=None)

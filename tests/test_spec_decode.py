@@ -3,7 +3,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import spec_decode as sd
+from dflash2 import spec_decode as sd
 from targets import ARCHS, reference_greedy, tiny_drafter, tiny_target
 
 _cache = {}
@@ -193,7 +193,7 @@ def test_minimax_m3_hub_checkpoint_loads_with_partial_rope(tmp_path):
 
     from safetensors.torch import save_file
 
-    from model import load_target
+    from dflash2.model import load_target
     from tiny_tokenizer import tiny_tokenizer
 
     ref = tiny_target("minimax_m3")

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import dflash2_ref
+from dflash2.trace import check_trace
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 PAIR = ["--target", str(GOLDEN / "target"), "--draft", str(GOLDEN / "draft")]
@@ -24,7 +25,7 @@ def write_trace(capsys, path, setting):
 
 
 def check(path, atol=1e-4):
-    return dflash2_ref.check_trace(path, str(GOLDEN / "target"), str(GOLDEN / "draft"), atol=atol)
+    return check_trace(path, str(GOLDEN / "target"), str(GOLDEN / "draft"), atol=atol)
 
 
 def save(path, records):

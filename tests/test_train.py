@@ -6,9 +6,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-import spec_decode as sd
-import train
-from model import DFlash2Drafter
+from dflash2 import spec_decode as sd
+from dflash2 import train
+from dflash2.model import DFlash2Drafter
 from targets import tiny_target
 
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import spec_decode as sd
+from dflash2 import spec_decode as sd
 
 FAST = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MC_ROWS = 200_000

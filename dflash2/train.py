@@ -1,7 +1,7 @@
 """Train a DFlash 2 drafter for a target model by self-distillation.
 
-    python train.py data  --data-dir ../shared/data --out runs/smollm2      # target writes its own responses
-    python train.py train --out runs/smollm2 --steps 2000                   # fit the drafter on them
+    python -m dflash2.train data  --data-dir ../shared/data --out runs/smollm2      # target writes its own responses
+    python -m dflash2.train train --out runs/smollm2 --steps 2000                   # fit the drafter on them
 
 Data: the target answers training prompts greedily; we keep the token ids and the
 target's tapped hidden states (the drafter's context features), so training never
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from model import DFlash2Config, DFlash2Drafter, load_target, stop_token_ids
+from .model import DFlash2Config, DFlash2Drafter, load_target, stop_token_ids
 
 GSM8K_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_WRAP = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
@@ -1253,7 +1253,7 @@ def make_data(args):
     prompts = training_prompts(args.data_dir, sources=args.sources.split(","), seed=args.seed)
     random.Random(args.seed).shuffle(prompts)
     encoded = [chat_ids(tok, p) for p in prompts]
-    if args.exclude:  # later stages: skip prompts an earlier `train.py data` run already answered
+    if args.exclude:  # later stages: skip prompts an earlier `dflash2.train data` run already answered
         seen = seen_prompts(args.exclude)
         keep = [i for i, e in enumerate(encoded) if tuple(e) not in seen]
         print(f"--exclude: {len(encoded) - len(keep)} of {len(encoded)} prompts already in {', '.join(args.exclude)}")
@@ -1279,7 +1279,7 @@ def make_data(args):
 # --------------------------------------------------------------------------- training
 
 def seen_prompts(data_dirs) -> set[tuple[int, ...]]:
-    """Token ids of every prompt answered in these `train.py data` outputs (their data/ folders)."""
+    """Token ids of every prompt answered in these `dflash2.train data` outputs (their data/ folders)."""
     seen = set()
     for d in data_dirs:
         paths = sorted(Path(d).glob("shard_*.pt"))
@@ -1299,7 +1299,7 @@ def load_shards(data_dir: Path):
         seqs += [(i, f, p) for i, f, p in zip(shard["ids"], shard["features"], shard["prompt_lens"])
                  if len(i) >= p + 2]
     if not seqs:
-        raise FileNotFoundError(f"no training shards in {data_dir}: run `python train.py data` first")
+        raise FileNotFoundError(f"no training shards in {data_dir}: run `python -m dflash2.train data` first")
     return seqs
 
 
@@ -1524,7 +1524,7 @@ def plot_history(history, path, window=50, before=()):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="dflash2-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("data", help="self-distil training data from the target")
     d.add_argument("--target", default=None)
@@ -1542,7 +1542,7 @@ def main():
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", default="bfloat16", help="target dtype for generation (bf16 is ~2x faster on CPU)")
     t = sub.add_parser("train", help="fit a drafter on the self-distilled data")
-    t.add_argument("--out", default="runs/smollm2", help="directory holding data/ (from `train.py data`)")
+    t.add_argument("--out", default="runs/smollm2", help="directory holding data/ (from `dflash2.train data`)")
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--batch-seqs", type=int, default=8, help="sequences per step")
     t.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
@@ -1563,7 +1563,7 @@ def main():
     t.add_argument("--init", default=None, metavar="DIR",
                    help="start from this published drafter checkpoint (fine-tuning); its config sets the shape")
     t.add_argument("--extra-data", action="append", default=[], metavar="DIR",
-                   help="another `train.py data` output (its data/ folder) to mix in; repeatable")
+                   help="another `dflash2.train data` output (its data/ folder) to mix in; repeatable")
     t.add_argument("--extra-share", type=float, default=None,
                    help="fraction of each step's sequences drawn from --extra-data (default: by size)")
     t.add_argument("--threads", type=int, default=2)

@@ -1,8 +1,8 @@
 """Benchmark ar / dflash / dflash2 side by side with the model card's protocol (SPEC §8).
 
-    python bench.py                                               # embedded SmolLM2 pair, greedy, 16 prompts/task
-    python bench.py --temperature 1.0 --top-p 0.95 --max-new-tokens 4096 --num-prompts 128   # the card's sampling
-    python bench.py --tasks gsm8k,mbpp --concurrency 1,8 --out results.json --plot results.png
+    python -m dflash2.bench                                               # embedded SmolLM2 pair, greedy, 16 prompts/task
+    python -m dflash2.bench --temperature 1.0 --top-p 0.95 --max-new-tokens 4096 --num-prompts 128   # the card's sampling
+    python -m dflash2.bench --tasks gsm8k,mbpp --concurrency 1,8 --out results.json --plot results.png
 
 Every method decodes the same prompts in the same process, so the speedups are ratios measured in
 one run. Acceptance length tau = per-request mean of completion tokens / verification steps;
@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kernels import prepack_linears
-from model import DEFAULT_DRAFT, DFlash2Drafter, check_attn_backend, load_target, stop_token_ids
-import spec_decode
-from spec_decode import METHODS, Target, compile_core, generate
-from train import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
+from .kernels import prepack_linears
+from .model import DEFAULT_DRAFT, DFlash2Drafter, check_attn_backend, load_target, stop_token_ids
+from . import spec_decode
+from .spec_decode import METHODS, Target, compile_core, generate
+from .train import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
 
 # task: (file under --data-dir, hub (path, config, split), the prompt text of one row)
 SOURCES = {
@@ -109,7 +109,7 @@ def synthetic_pair(name, layers, device, dtype, draft_dtype, attn_backend, prepa
     from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
 
-    from model import DFlash2Config
+    from .model import DFlash2Config
 
     shape = dict(SYNTHETIC[name])
     dense, default_layers = shape.pop("dense_layers"), shape.pop("layers")
@@ -339,7 +339,7 @@ def _ints(s):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="dflash2-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="target dir or hub id (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="drafter checkpoint dir or hub id")
     ap.add_argument("--data-dir", default="../shared/data", help="local data (else the hub via `datasets`)")

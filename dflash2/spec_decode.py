@@ -11,21 +11,11 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-import kernels
-from model import check_attn_backend, dflash1_walk, sample_from
+from . import kernels
+from .model import check_attn_backend, dflash1_walk, sample_from
+from .settings import METHODS, check_sampling_params
 
 # --- sampling and verification math ---
-
-
-def check_sampling_params(temperature, top_p, top_k):
-    """Reject settings plain sampling would not accept: temperature >= 0 (0 = greedy), 0 < top_p <= 1, top_k >= 0 (0 = off)."""
-    # Negated comparisons so that NaN fails too.
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if not top_k >= 0:
-        raise ValueError(f"top_k must be >= 0 (0 means no top-k), got {top_k}")
 
 
 def process_logits(logits, temperature, top_k=0, top_p=1.0):
@@ -451,7 +441,6 @@ class Result:
         return len(self.tokens) / max(self.verify_steps, 1)
 
 
-METHODS = ("dflash2", "dflash", "ar")
 VIEW_BUCKET = 128  # static mode: attention views grow in steps of this many slots
 
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import attention_backends, default_backend, drafter_attention, prepack_linears
+from .kernels import attention_backends, default_backend, drafter_attention, prepack_linears
+from .settings import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: F401 (re-exported)
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -571,7 +572,6 @@ def _check_state_dict(expected, got, path):
 
 # -- the target and the embedded default pair ------------------------------------------------
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -659,5 +659,3 @@ def stop_token_ids(model, tokenizer):
     ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     return sorted(i for i in ids if i is not None)
 
-
-DEFAULT_DRAFT = Path(__file__).resolve().parent / "checkpoints" / "dflash2-smollm2-135m"

