@@ -1,11 +1,21 @@
 """Regenerate the golden vectors in tests/golden/: a tiny seeded target + drafter and their expected traces.
 
     python tests/make_golden.py
+    python tests/make_golden.py --accept-change "why the acceptance counts move"
 
 Run it only when the math is meant to change; the diff of the .jsonl files shows what moved.
+Everything is built in a scratch directory first. If any trace's acceptance counts (num_accepted of
+every step of every request) differ from the committed golden's, nothing is written unless
+--accept-change gives the reason, which is appended with the changed traces to tests/golden/CHANGES.md:
+a drafter or bookkeeping bug that keeps greedy output lossless would otherwise be blessed silently.
 """
+import argparse
 import dataclasses
+import datetime
+import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -91,14 +101,13 @@ def write_models(directory):
     fit(target, tiny_drafter(target, block_size=6)).save_pretrained(directory / "draft")
 
 
-def main():
-    torch.set_num_threads(1)
-    dflash2_ref.quiet_libraries()
-    write_models(GOLDEN)
+def write_traces(directory):
+    """The models and every trace of TRACES into directory (ids name tests/golden, where they will live)."""
+    write_models(directory)
     root = GOLDEN.parent.parent
     # Ids relative to the repository root, so the traces do not name this machine's paths.
     target_id, draft_id = (str((GOLDEN / n).relative_to(root)) for n in ("target", "draft"))
-    pair = load_pair(str(GOLDEN / "target"), str(GOLDEN / "draft"), torch.device("cpu"), torch.float32)
+    pair = load_pair(str(directory / "target"), str(directory / "draft"), torch.device("cpu"), torch.float32)
     pair.target_id, pair.draft_id = target_id, draft_id
     prompts = [encode_prompt(pair.tokenizer, p) for p in PROMPTS]
     stops = model.stop_token_ids(pair.model, pair.tokenizer)
@@ -109,10 +118,84 @@ def main():
         if settings["method"] == "ar":  # no drafter: the trace records draft null and block size null
             settings["block_size"] = None
             run_pair = dataclasses.replace(pair, drafter=None, draft_id=None, draft_dir=None)
-        path = GOLDEN / f"{name}.jsonl"
-        run(run_pair, prompts, settings, trace_path=path)
-        print(f"wrote {path.relative_to(root)}")
+        run(run_pair, prompts, settings, trace_path=directory / f"{name}.jsonl")
+
+
+# --- the guard: regenerated goldens must keep every acceptance count, or say why not ---
+
+
+def acceptance_counts(path):
+    """{request: [num_accepted of step 1, 2, ...]} of a trace file (steps in step order)."""
+    steps = {}
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("type") == "step":
+            steps.setdefault(rec["request"], {})[rec["step"]] = rec["num_accepted"]
+    return {req: [by_step[s] for s in sorted(by_step)] for req, by_step in sorted(steps.items())}
+
+
+def acceptance_changes(old_dir, new_dir):
+    """{trace name: what moved} for every trace whose acceptance counts differ between the two
+    directories (a trace present in only one of them counts as changed)."""
+    names = sorted({p.stem for p in Path(old_dir).glob("*.jsonl")} | {p.stem for p in Path(new_dir).glob("*.jsonl")})
+    changes = {}
+    for name in names:
+        old, new = (Path(d) / f"{name}.jsonl" for d in (old_dir, new_dir))
+        if not old.exists() or not new.exists():
+            changes[name] = "new trace" if not old.exists() else "trace removed"
+            continue
+        a, b = acceptance_counts(old), acceptance_counts(new)
+        if a != b:
+            req = next(r for r in sorted(a.keys() | b.keys()) if a.get(r) != b.get(r))
+            changes[name] = f"request {req} accepted {a.get(req)} -> {b.get(req)}"
+    return changes
+
+
+def install(staging, golden, reason, today=None):
+    """Move staging's models and traces into golden if the acceptance counts are unchanged or a reason
+    is given (then a dated line goes to golden/CHANGES.md). Returns (written, changes)."""
+    changes = acceptance_changes(golden, staging)
+    if changes and not reason:
+        return False, changes
+    for name in ("target", "draft"):
+        shutil.rmtree(golden / name, ignore_errors=True)
+        shutil.copytree(staging / name, golden / name)
+    for path in Path(staging).glob("*.jsonl"):
+        shutil.copyfile(path, golden / path.name)
+    if changes:
+        today = today or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+        log = golden / "CHANGES.md"
+        if not log.exists():
+            log.write_text("# Golden trace changes\n\nEach line: the date, why the acceptance counts moved, and "
+                           "the traces that changed (written by `tests/make_golden.py --accept-change`).\n\n")
+        what = "; ".join(f"{n}: {c}" for n, c in changes.items())
+        with open(log, "a") as f:
+            f.write(f"- {today}: {reason} (changed: {what})\n")
+    return True, changes
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--accept-change", metavar="REASON", default=None,
+                        help="write even if acceptance counts change, and log REASON in tests/golden/CHANGES.md")
+    args = parser.parse_args(argv)
+    if args.accept_change is not None and not args.accept_change.strip():
+        parser.error("--accept-change needs a non-empty reason")
+    torch.set_num_threads(1)
+    dflash2_ref.quiet_libraries()
+    with tempfile.TemporaryDirectory() as tmp:
+        staging = Path(tmp)
+        write_traces(staging)
+        written, changes = install(staging, GOLDEN, args.accept_change)
+    for name, change in changes.items():
+        print(f"acceptance changed: {name}: {change}")
+    if not written:
+        print("refused: the acceptance counts above differ from the committed goldens; nothing written. If the "
+              "change is meant, rerun with --accept-change \"REASON\".", file=sys.stderr)
+        return 1
+    print(f"wrote {GOLDEN.relative_to(GOLDEN.parent.parent)} ({'acceptance counts unchanged' if not changes else 'change logged in CHANGES.md'})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -87,3 +87,39 @@ def test_float_fields_diverge_only_beyond_atol(tmp_path):
 def test_golden_vectors_reproduce(name):
     agree, line = check(GOLDEN / f"{name}.jsonl")
     assert agree, f"{line}\n(if the math was meant to change: python tests/make_golden.py, and review the diff)"
+
+
+def test_regenerated_goldens_must_keep_acceptance_counts(tmp_path):
+    """make_golden's guard: traces whose num_accepted per step and request moved are not written
+    unless a reason is given, and then the reason and the changed traces are logged in CHANGES.md."""
+    import make_golden
+
+    golden, staging = tmp_path / "golden", tmp_path / "staging"
+    for d in (golden, staging):
+        for name in ("target", "draft"):
+            (d / name).mkdir(parents=True)
+            (d / name / "config.json").write_text(d.name)
+    committed = [json.loads(line) for line in (GOLDEN / "greedy_dflash2.jsonl").read_text().splitlines()]
+    save(golden / "greedy_dflash2.jsonl", committed)
+    same = json.loads(json.dumps(committed))
+    same[1]["cand_logits"][0][0] += 1.0  # a change that keeps every acceptance count
+    save(staging / "greedy_dflash2.jsonl", same)
+    assert make_golden.install(staging, golden, None) == (True, {})
+    assert (golden / "greedy_dflash2.jsonl").read_text() == (staging / "greedy_dflash2.jsonl").read_text()
+    assert (golden / "target" / "config.json").read_text() == "staging" and not (golden / "CHANGES.md").exists()
+
+    moved = json.loads(json.dumps(committed))
+    step = next(r for r in moved if r["type"] == "step" and r["request"] == 1 and r["step"] == 3)
+    step["num_accepted"] += 1
+    save(staging / "greedy_dflash2.jsonl", moved)
+    before = (golden / "greedy_dflash2.jsonl").read_text()
+    written, changes = make_golden.install(staging, golden, None)
+    assert not written and list(changes) == ["greedy_dflash2"] and changes["greedy_dflash2"].startswith("request 1 ")
+    assert (golden / "greedy_dflash2.jsonl").read_text() == before and not (golden / "CHANGES.md").exists()
+
+    assert make_golden.install(staging, golden, "drafts shrink at the end of the budget", today="2026-12-04")[0]
+    assert (golden / "greedy_dflash2.jsonl").read_text() == (staging / "greedy_dflash2.jsonl").read_text()
+    log = (golden / "CHANGES.md").read_text().splitlines()
+    assert log[-1].startswith("- 2026-12-04: drafts shrink at the end of the budget (changed: greedy_dflash2: request 1 ")
+    with pytest.raises(SystemExit):
+        make_golden.main(["--accept-change", " "])
