@@ -26,7 +26,7 @@ from .kernels import prepack_linears
 from .model import DEFAULT_DRAFT, DFlash2Drafter, check_attn_backend, load_target, stop_token_ids
 from . import spec_decode
 from .spec_decode import METHODS, Target, compile_core, generate
-from .train import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
+from .prompts import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
 
 # task: (file under --data-dir, hub (path, config, split), the prompt text of one row)
 SOURCES = {
