@@ -94,7 +94,6 @@ def make_data(args):
         path.with_suffix(".tmp").rename(path)
 
 
-
 # --------------------------------------------------------------------------- training
 
 def seen_prompts(data_dirs) -> set[tuple[int, ...]]:
@@ -352,7 +351,7 @@ def main():
     d.add_argument("--taps", default="1,8,14,21,27")
     d.add_argument("--max-prompts", type=int, default=4000)
     d.add_argument("--sources", default="gsm8k,mbpp,chat",
-                   help=f"prompt sets, comma separated, from {','.join(PROMPT_SOURCES)} (see training_prompts)")
+                   help=f"prompt sets, comma separated, from {','.join(PROMPT_SOURCES)} (see dflash2/prompts.py)")
     d.add_argument("--exclude", action="append", default=[], metavar="DIR",
                    help="skip prompts already answered in this earlier data/ folder; repeatable")
     d.add_argument("--max-new-tokens", type=int, default=256)
