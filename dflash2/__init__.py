@@ -4,7 +4,8 @@ The public API, for programs and for other implementations' test suites (an orac
 
     pair = dflash2.load_pair()                                # embedded SmolLM2-135M + drafter; or dirs/hub ids
     ids = dflash2.encode_prompt(pair.tokenizer, "What is 7 * 8?")
-    [res] = dflash2.generate(pair.target, pair.drafter, [ids], max_new_tokens=64)
+    stops = dflash2.stop_token_ids(pair.model, pair.tokenizer)
+    [res] = dflash2.generate(pair.target, pair.drafter, [ids], max_new_tokens=64, stop_ids=stops)
     res.tokens, res.accepted, res.acceptance_length
 
 Names are imported on first use, so `import dflash2` (and the CLI's --help) does not import torch.

@@ -44,8 +44,10 @@ def drafter_block_size(name):
         return None
     if not path.is_dir():
         raise InputError(f"drafter {name}: no such checkpoint directory")
+    if not (path / "config.json").is_file():
+        raise InputError(f"drafter {name}: no config.json in {path} (not a checkpoint directory)")
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"drafter {name}: cannot read config.json ({e})") from e
+        raise LoadError(f"cannot load drafter {name}: config.json is not readable JSON ({e})") from e
     return (config.get("dflash_config") or {}).get("block_size", config.get("block_size"))
