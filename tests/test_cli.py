@@ -44,7 +44,9 @@ def test_greedy_baseline_json_reports_identical_outputs(capsys):
     assert report["identical"] is True and report["text"] == report["ar_text"]
     assert report["method"] == "dflash2" and report["draft"] == str(GOLDEN / "draft")
     assert 1 <= report["acceptance_length"] <= 6
-    assert report["completion_tokens"] / report["verify_steps"] == pytest.approx(report["acceptance_length"])
+    # the authors' definition: tokens per decode step, the prefill (step 1 of verify_steps) and its token excluded
+    assert ((report["completion_tokens"] - 1) / (report["verify_steps"] - 1)
+            == pytest.approx(report["acceptance_length"]))
 
 
 @pytest.mark.parametrize("method", ["dflash2", "dflash", "ar"])
@@ -89,6 +91,10 @@ def bad_inputs(tmp):
     corrupt = tmp / "corrupt"
     shutil.copytree(GOLDEN / "draft", corrupt)
     (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
+    bad_json = tmp / "bad_json"
+    shutil.copytree(GOLDEN / "draft", bad_json)
+    (bad_json / "config.json").write_text("{ not json")
+    (tmp / "empty").mkdir()
     return [
         # (argv, exit code, phrase of the one error line)
         (["--prompt", "  "], 2, "prompt is empty"),
@@ -112,6 +118,8 @@ def bad_inputs(tmp):
          "target_layer_ids [5] do not exist in a target with 3 layers"),
         (["--prompt", "the", "--draft", str(tmp / "missing")], 2, "no such checkpoint directory"),
         (["--prompt", "the", "--draft", str(corrupt)], 1, "cannot load drafter"),
+        (["--prompt", "the", "--draft", str(bad_json)], 1, "config.json is not readable JSON"),
+        (["--prompt", "the", "--draft", str(tmp / "empty")], 2, "no config.json"),
         (["--prompt", "the", "--target", str(tmp / "missing"), "--draft", str(GOLDEN / "draft")], 2,
          "no such model directory"),
         (["--check-trace", str(tmp / "missing.jsonl")], 2, "not a readable JSON Lines trace"),
