@@ -233,8 +233,9 @@ def decode_main(args):
 
 def stats_line(report):
     """The stderr summary; its names are the JSON report's keys."""
+    tau = report["acceptance_length"]  # None when the prefill's token ended the request
     return (f"[{report['method']}] completion_tokens {report['completion_tokens']}, "
-            f"verify_steps {report['verify_steps']}, acceptance_length {report['acceptance_length']:.2f}, "
+            f"verify_steps {report['verify_steps']}, acceptance_length {'n/a' if tau is None else f'{tau:.2f}'}, "
             f"tokens_per_s {report['tokens_per_s']:.1f}, prefill_ms {report['prefill_ms']:.0f}")
 
 

@@ -9,15 +9,21 @@ import torch
 import torch.nn.functional as F
 
 
-def drafter_mask(q_pos, k_pos, k_valid, sliding_window=None):
-    """[b, 1, T, S] bool: query i sees key j iff k_valid[j] and |q_pos_i - k_pos_j| < sliding_window.
+def drafter_mask(q_pos, k_pos, k_valid, sliding_window=None, causal=False):
+    """[b, 1, T, S] bool: query i sees key j iff k_valid[j], |q_pos_i - k_pos_j| < sliding_window, and,
+    in a causal layer, k_pos_j <= q_pos_i. The last T keys are the block's own, and a query always
+    sees its own key: a slot left out of a short block (k_valid false) still has a finite output.
 
-    Not causal: the block is bidirectional and the context lies before it by construction.
+    Published drafters are not causal: the block is bidirectional and the context lies before it.
     """
     mask = k_valid[:, None, :].expand(-1, q_pos.shape[1], -1)
     if sliding_window is not None:
         mask = mask & ((q_pos[:, :, None] - k_pos[:, None, :]).abs() < sliding_window)
-    return mask[:, None]
+    if causal:
+        mask = mask & (k_pos[:, None, :] <= q_pos[:, :, None])
+    T, S = q_pos.shape[1], k_pos.shape[1]
+    own = torch.arange(S, device=q_pos.device)[None, :] == torch.arange(S - T, S, device=q_pos.device)[:, None]
+    return (mask | own)[:, None]
 
 
 FLEX_BLOCK = 128  # FlexAttention's tile: keys are padded to a multiple so a growing context reuses kernels
@@ -32,9 +38,10 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window, kernel_options=None):
+def _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window, causal=False, kernel_options=None):
     from torch.nn.attention.flex_attention import create_block_mask
 
+    block_start = torch.tensor(k.shape[2] - q.shape[2], device=q.device)  # a tensor: one graph for every length
     pad = -k.shape[2] % FLEX_BLOCK
     if pad:
         k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
@@ -44,14 +51,17 @@ def _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window, kernel_optio
                           device=q.device)
 
     def mask_mod(b, h, i, j):
-        return k_valid[b, j] & ((q_pos[b, i] - k_pos[b, j]).abs() < window)
+        seen = k_valid[b, j] & ((q_pos[b, i] - k_pos[b, j]).abs() < window)
+        if causal:
+            seen = seen & (k_pos[b, j] <= q_pos[b, i])
+        return seen | (j == block_start + i)
 
     block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
     return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
                                       kernel_options=kernel_options)
 
 
-def drafter_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window=None, backend="sdpa"):
+def drafter_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window=None, backend="sdpa", causal=False):
     """softmax(q k^T / sqrt(hd) + mask) v with the drafter mask (see drafter_mask), GQA.
 
     q [b, heads, T, hd]; k, v [b, kv_heads, S, hd] (context slots, then block slots);
@@ -61,12 +71,12 @@ def drafter_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window=None, backe
     kernel (Hopper/Blackwell with the flash-attn-4 package).
     """
     if backend == "sdpa":
-        mask = drafter_mask(q_pos, k_pos, k_valid, sliding_window)
+        mask = drafter_mask(q_pos, k_pos, k_valid, sliding_window, causal)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     if backend == "flex":
-        return _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window)
+        return _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window, causal)
     if backend == "flash":
-        return _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window, {"BACKEND": "FLASH"})
+        return _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window, causal, {"BACKEND": "FLASH"})
     raise ValueError(f"unknown attention backend {backend!r}; available: {attention_backends()}")
 
 

@@ -32,9 +32,11 @@ class DFlash2Config:
     rope_theta: float = 10000.0
     rope_type: str = "default"
     max_position_embeddings: int = 32768
-    layer_types: list[str] | None = None  # None: every layer "sliding_attention" if use_sliding_window
-    sliding_window: int | None = 2048
+    layer_types: list[str] | None = None  # None: transformers' Qwen3 rule (see __post_init__)
+    sliding_window: int | None = 4096  # transformers' Qwen3 default
     use_sliding_window: bool = False  # transformers' Qwen3 default: windows off unless enabled
+    max_window_layers: int = 28  # transformers' Qwen3 default; only read when layer_types is absent
+    is_causal: bool | None = False  # the published value; None (key absent): causal iff the layer is sliding
     dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -54,17 +56,24 @@ class DFlash2Config:
                    "final_logit_softcapping")
 
     def __post_init__(self):
-        if self.layer_types is None:
-            kind = "sliding_attention" if self.use_sliding_window else "full_attention"
-            self.layer_types = [kind] * self.num_hidden_layers
+        if self.layer_types is None:  # transformers' Qwen3Config: layers from max_window_layers on slide
+            slide = self.use_sliding_window and self.sliding_window is not None
+            self.layer_types = ["sliding_attention" if slide and i >= self.max_window_layers else "full_attention"
+                                for i in range(self.num_hidden_layers)]
         self.target_layer_ids = list(self.target_layer_ids)
         self.layer_types = list(self.layer_types)
 
     def layer_window(self, i):
-        """Sliding window of layer i, None for full attention (transformers' Qwen3 rule)."""
+        """Sliding window of layer i, None for full attention (transformers' Qwen3 rule: no window
+        unless use_sliding_window)."""
         if self.use_sliding_window and self.layer_types[i] == "sliding_attention":
             return self.sliding_window
         return None
+
+    def layer_causal(self, i):
+        """Whether layer i's block attends only to itself and earlier slots: is_causal when the config
+        sets it, else whether the layer is sliding (how the authors' Qwen3DFlashAttention reads it)."""
+        return self.layer_types[i] == "sliding_attention" if self.is_causal is None else bool(self.is_causal)
 
     def validate(self):
         """Raise ValueError naming the first inconsistent field."""
@@ -82,9 +91,8 @@ class DFlash2Config:
             ("layer_types", len(self.layer_types) == self.num_hidden_layers
              and all(t in LAYER_TYPES for t in self.layer_types),
              f"{self.layer_types} must hold num_hidden_layers={self.num_hidden_layers} entries of {LAYER_TYPES}"),
-            ("sliding_window", not self.use_sliding_window or "sliding_attention" not in self.layer_types
-             or (self.sliding_window is not None and self.sliding_window >= 1),
-             f"{self.sliding_window} must be >= 1 when sliding layers are used"),
+            ("sliding_window", self.sliding_window is None or self.sliding_window >= 1,
+             f"{self.sliding_window} must be None or >= 1"),
             ("rope_type", self.rope_type == "default", f"{self.rope_type!r} is not supported (only 'default')"),
             ("block_size", self.block_size >= 2, f"{self.block_size} must be >= 2 (anchor + at least one draft)"),
             ("selector_rank", self.selector_rank >= 1, f"{self.selector_rank} must be >= 1"),
@@ -105,12 +113,31 @@ class DFlash2Config:
 
     @classmethod
     def from_dict(cls, d):
-        """Read a Qwen3-style config.json dict; dflash keys from `dflash_config` (or top level in older files)."""
+        """Read a Qwen3-style config.json dict as the authors' DFlash2DraftModel does (through
+        transformers' Qwen3Config); dflash keys from `dflash_config` (or top level in older files).
+
+        Absent keys take Qwen3Config's defaults (head_dim 128, kv heads = heads, sliding_window 4096,
+        max_window_layers 28) and the authors' (block_size 16, target_layer_ids spread over the
+        target); absent or null `is_causal` makes sliding layers causal (layer_causal).
+        """
         dflash = d.get("dflash_config") or {}
         rope = d.get("rope_parameters") or {}
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
         kwargs.update({k: v for k, v in dflash.items() if k in names})
+        kwargs["is_causal"] = d.get("is_causal")
+        kwargs.setdefault("block_size", 16)
+        kwargs.setdefault("head_dim", 128)
+        if kwargs.get("num_key_value_heads") is None and "num_attention_heads" in kwargs:
+            kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
+        if "target_layer_ids" not in kwargs and {"num_target_layers", "num_hidden_layers"} <= kwargs.keys():
+            kwargs["target_layer_ids"] = spread_target_layer_ids(kwargs["num_target_layers"], kwargs["num_hidden_layers"])
+        if kwargs.get("final_logit_softcapping") == 0:  # the authors' model reads 0 as "no softcap"
+            kwargs["final_logit_softcapping"] = None
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"DFlash2 config: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+        if d.get("attention_bias"):
+            raise ValueError("DFlash2 config: attention_bias true is not supported (the published drafters have none)")
         if "rope_theta" in rope:
             kwargs["rope_theta"] = rope["rope_theta"]
         if "rope_type" in rope:
@@ -142,18 +169,29 @@ class DFlash2Config:
             "layer_types": list(self.layer_types),
             "sliding_window": self.sliding_window,
             "use_sliding_window": self.use_sliding_window,
+            "max_window_layers": self.max_window_layers,
             "num_target_layers": self.num_target_layers,
             "vocab_size": self.vocab_size,
-            "is_causal": False,
+            "is_causal": self.is_causal,  # dropped below when None: absent means "sliding layers are causal"
             "attention_bias": False,
             "tie_word_embeddings": False,
             "dtype": self.dtype,
         }
+        if self.is_causal is None:
+            del d["is_causal"]
         for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(self, k) is not None:
                 d[k] = getattr(self, k)
         d["dflash_config"] = {k: getattr(self, k) for k in self.DFLASH_KEYS}
         return d
+
+
+def spread_target_layer_ids(num_target_layers, num_draft_layers):
+    """The authors' default taps when a config names none: evenly from layer 1 to num_target_layers - 3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
 def tiny_glm_config(**overrides):
@@ -252,6 +290,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
         self.sliding_window = config.layer_window(layer_idx)
+        self.causal = config.layer_causal(layer_idx)
 
     def kv(self, x, cos, sin):
         """K = RoPE(k_norm(k_proj(x))), V = v_proj(x), both [b, kv_heads, L, hd]."""
@@ -260,14 +299,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, L, -1, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, u, cos, sin, positions, ctx_k, ctx_v, ctx_positions, ctx_valid, backend):
+    def forward(self, u, cos, sin, positions, ctx_k, ctx_v, ctx_positions, ctx_valid, block_valid, backend):
         b, T, _ = u.shape
         q = apply_rope(self.q_norm(self.q_proj(u).view(b, T, -1, self.head_dim)).transpose(1, 2), cos, sin)
         k, v = self.kv(u, cos, sin)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         k_pos = torch.cat([ctx_positions, positions], dim=1)
-        k_valid = torch.cat([ctx_valid, ctx_valid.new_ones(b, T)], dim=1)
-        o = drafter_attention(q, k, v, positions, k_pos, k_valid, self.sliding_window, backend)
+        k_valid = torch.cat([ctx_valid, block_valid], dim=1)
+        o = drafter_attention(q, k, v, positions, k_pos, k_valid, self.sliding_window, backend, self.causal)
         return self.o_proj(o.transpose(1, 2).reshape(b, T, -1))
 
 
@@ -297,9 +336,9 @@ class DecoderLayer(nn.Module):
         self.mlp_conv = DynamicConv(H, config.conv_kernel_size, config.conv_group_size)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, positions, ctx_k, ctx_v, ctx_positions, ctx_valid, backend):
+    def forward(self, x, cos, sin, positions, ctx_k, ctx_v, ctx_positions, ctx_valid, block_valid, backend):
         u, kappa = self.attention_conv.prepare(self.input_layernorm(x))
-        a = self.self_attn(u, cos, sin, positions, ctx_k, ctx_v, ctx_positions, ctx_valid, backend)
+        a = self.self_attn(u, cos, sin, positions, ctx_k, ctx_v, ctx_positions, ctx_valid, block_valid, backend)
         x = x + self.attention_conv.finish(a, kappa)
         v, kappa = self.mlp_conv.prepare(self.post_attention_layernorm(x))
         return x + self.mlp_conv.finish(self.mlp(v), kappa)
@@ -453,18 +492,23 @@ class DFlash2Drafter(nn.Module):
         ids[:, 0] = anchor_ids
         return embed_tokens(ids) * self.config.input_embedding_scale
 
-    def forward(self, block_embeds, block_positions, ctx_kv, ctx_valid, ctx_positions=None):
+    def forward(self, block_embeds, block_positions, ctx_kv, ctx_valid, ctx_positions=None, block_valid=None):
         """h = norm(layers(block_embeds)) [b, T, H], attending to ctx_kv [b, kv_heads, S, hd] per layer.
 
         ctx_valid [b, S] marks filled context slots; ctx_positions [b, S] defaults to slot j at position j.
+        block_valid [b, T] (default all) marks the block slots in use: a row whose block is cut short
+        (the end of its budget) drafts exactly as a block of that many slots, the rest are ignored.
         """
         if ctx_positions is None:
             S = ctx_valid.shape[1]
             ctx_positions = torch.arange(S, device=ctx_valid.device).expand(ctx_valid.shape[0], S)
+        if block_valid is None:
+            block_valid = ctx_valid.new_ones(block_positions.shape)
         x = block_embeds
         cos, sin = self.rope(block_positions, x.dtype)
         for layer, (ctx_k, ctx_v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, block_positions, ctx_k, ctx_v, ctx_positions, ctx_valid, self.attn_backend)
+            x = layer(x, cos, sin, block_positions, ctx_k, ctx_v, ctx_positions, ctx_valid, block_valid,
+                      self.attn_backend)
         return self.norm(x)
 
     def draft_logits(self, h, lm_head):

@@ -91,36 +91,45 @@ def residual_distribution(p, q):
     return torch.where(mass > 0, residual / mass, p)
 
 
-def verify_greedy(draft_ids, target_logits):
+def verify_greedy(draft_ids, target_logits, num_drafts=None):
     """Greedy chain verification (SPEC §5).
 
     Accept the longest prefix with d_i == argmax P_{i-1}; the bonus is argmax P_a at the first
     mismatch a (a = n when all match). draft_ids [b, n], target_logits [b, n+1, V] (row i gives P_i;
-    temperature, top-k and top-p never move the argmax). Returns num_accepted [b] and
-    out_tokens [b, n+1]: the a accepted drafts, the bonus at index a, then -1.
+    temperature, top-k and top-p never move the argmax). num_drafts [b] (default n): a row verifies
+    only its first num_drafts drafts (a block cut short at the end of its budget). Returns
+    num_accepted [b] and out_tokens [b, n+1]: the a accepted drafts, the bonus at index a, then -1.
     """
     n = draft_ids.shape[1]
     best = target_logits.argmax(-1)
-    num_accepted = (draft_ids == best[:, :n]).long().cumprod(-1).sum(-1)
+    match = draft_ids == best[:, :n]
+    if num_drafts is not None:
+        match = match & (torch.arange(n, device=draft_ids.device) < num_drafts[:, None])
+    num_accepted = match.long().cumprod(-1).sum(-1)
     # Accepted drafts equal the target argmax, so the emitted tokens are argmax P_0 .. argmax P_a.
     positions = torch.arange(n + 1, device=draft_ids.device)
     out_tokens = torch.where(positions <= num_accepted[:, None], best, -1)
     return num_accepted, out_tokens
 
 
-def verify_sampled(draft_ids, q, p, u_accept, u_emit):
+def verify_sampled(draft_ids, q, p, u_accept, u_emit, num_drafts=None):
     """Sampled chain verification (SPEC §5), lossless for any proposal q.
 
     For i = 1..n accept d_i iff u_accept[:, i-1] < min(1, P_{i-1}(d_i) / q_i(d_i)); at the first
     rejection a emit a draw from normalize(max(P_a - q_{a+1}, 0)) and stop; if all n are accepted
     emit a bonus draw from P_n. A greedy walk is one-hot q on the same path.
     draft_ids [b, n]; q [b, n, V] (row i-1 is q_i); p [b, n+1, V] (row i is P_i);
-    u_accept [b, n] and u_emit [b] uniforms in [0, 1). Returns num_accepted [b] and
+    u_accept [b, n] and u_emit [b] uniforms in [0, 1). num_drafts [b] (default n): a row verifies
+    only its first num_drafts drafts, as if n were num_drafts. Returns num_accepted [b] and
     out_tokens [b, n+1]: the a accepted drafts, the emitted token at index a, then -1.
     """
     b, n = draft_ids.shape
+    if num_drafts is not None:  # slots past a row's drafts: never accepted, and q = 0 makes the bonus P itself
+        q = q * (torch.arange(n, device=q.device) < num_drafts[:, None])[..., None]
     d = draft_ids.unsqueeze(-1)
     alpha = acceptance_probability(p[:, :n].gather(-1, d), q.gather(-1, d)).squeeze(-1)
+    if num_drafts is not None:
+        alpha = torch.where(torch.arange(n, device=q.device) < num_drafts[:, None], alpha, 0.0)
     # All n tests run at once; the accepted length is the run of passes before the first failure.
     num_accepted = (u_accept < alpha).long().cumprod(-1).sum(-1)
     # q_{n+1} = 0 makes the bonus draw the same rule: residual(P_n, 0) = P_n.
@@ -338,17 +347,19 @@ class DraftContext:
             k[rows], v[rows] = ok, ov
 
 
-def draft(drafter, target, ctx, anchor, pos, ctx_len, block_size):
+def draft(drafter, target, ctx, anchor, pos, ctx_len, block_size, sizes=None):
     """One drafter pass over [anchor, MASK x (B-1)] at positions pos..pos+B-1 (SPEC §3).
 
-    The context is every slot before the anchor. Returns the hidden states h [b, B-1, H] and the
-    draft logits U [b, B-1, V] of slots 1..B-1.
+    The context is every slot before the anchor. sizes [b] (default B): a row drafts a block of
+    only that many slots (the rest of its B are ignored). Returns the hidden states h [b, B-1, H]
+    and the draft logits U [b, B-1, V] of slots 1..B-1.
     """
     block_pos = pos[:, None] + torch.arange(block_size, device=pos.device)
     dtype = next(drafter.parameters()).dtype
     embeds = drafter.embed_block(anchor, target.embed_tokens, block_size).to(dtype)
     slots = torch.arange(ctx_len, device=pos.device)
-    h = drafter(embeds, block_pos, ctx.view(ctx_len), slots[None, :] < pos[:, None])[:, 1:]
+    block_valid = None if sizes is None else torch.arange(block_size, device=pos.device) < sizes[:, None]
+    h = drafter(embeds, block_pos, ctx.view(ctx_len), slots[None, :] < pos[:, None], block_valid=block_valid)[:, 1:]
     return h, drafter.draft_logits(h, target.lm_head_as(dtype))
 
 
@@ -428,17 +439,26 @@ class _Timer:
 
 @dataclass
 class Result:
-    """One request's output and its statistics (the prefill counts as the first verification step)."""
+    """One request's output and its statistics."""
 
     tokens: list = field(default_factory=list)
-    verify_steps: int = 0
-    accepted: list = field(default_factory=list)  # drafts accepted at each verification step
+    verify_steps: int = 0  # target forwards: the prefill, then one per decode step
+    accepted: list = field(default_factory=list)  # drafts accepted at each decode step
     finished_by_stop: bool = False
 
     @property
     def acceptance_length(self):
-        """tau = completion tokens / verification steps, 1 <= tau <= block size."""
-        return len(self.tokens) / max(self.verify_steps, 1)
+        """tau = mean over decode steps of the tokens each commits, the prefill's token excluded (the
+        authors' benchmark definition, which the model card reports); 1 <= tau <= block size.
+        None when the request ended at its prefill token."""
+        return (len(self.tokens) - 1) / len(self.accepted) if self.accepted else None
+
+
+def mean_acceptance_length(results):
+    """The authors' benchmark figure over requests: the mean of the per-request acceptance lengths
+    (requests with no decode step left out); None if there are none."""
+    taus = [r.acceptance_length for r in results if r.acceptance_length is not None]
+    return sum(taus) / len(taus) if taus else None
 
 
 VIEW_BUCKET = 128  # static mode: attention views grow in steps of this many slots
@@ -475,7 +495,9 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
     """Speculative decoding of a batch of prompts (lists of token ids) with a ragged per-row state.
 
     Per step: draft block -> top-K candidates -> selector walk -> one target forward over
-    [anchor, drafts] -> verification -> emit accepted + 1 tokens. `method="ar"` runs the same
+    [anchor, drafts] -> verification -> emit accepted + 1 tokens. As in the authors' loop, a row's
+    block shrinks to what is left of its budget, min(B, 1 + tokens still to make), so its last
+    drafts come from a shorter block (shapes stay B wide; the slots past it are ignored). `method="ar"` runs the same
     cache code with no drafts. `max_batch` caps the requests in flight: the rest wait in order and
     each is prefilled into a row as soon as a request finishes (continuous batching); None runs
     every prompt at once. `propose(anchor, pos, rows) -> (drafts, q)` replaces the drafter (tests
@@ -534,6 +556,7 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
     timer()
     cache, ctx, last, pos = _prefill(target, ctx_drafter, prompts[:n], max_len, B, static)
     anchor = first_tokens(last)
+    end = pos + max_new_tokens  # per row: the position after its last allowed token
     host_anchor = anchor.cpu()  # host sync of the prefill
     timer("prefill")
     rows = torch.arange(n)  # row -> request index
@@ -553,7 +576,7 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
             cache.copy_rows(slots, new_cache)
             if ctx is not None:
                 ctx.copy_rows(slots, new_ctx)
-            anchor[slots], pos[slots] = first, new_pos
+            anchor[slots], pos[slots], end[slots] = first, new_pos, new_pos + max_new_tokens
             host_first = first.cpu()
             timer("prefill")
             rows[free], host_pos[free] = torch.tensor(reqs), torch.tensor([len(p) for p in new])
@@ -569,7 +592,7 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
             alive = [True] * len(keep)
             rows, host_pos = rows[keep], host_pos[keep]
             dkeep = keep.to(device)
-            anchor, pos = anchor[dkeep], pos[dkeep]
+            anchor, pos, end = anchor[dkeep], pos[dkeep], end[dkeep]
             cache.select_rows(dkeep)
             if ctx is not None:
                 ctx.select_rows(dkeep)
@@ -582,6 +605,8 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
         if static:  # a handful of shapes, each compiled once; the extra slots are masked out
             view_len = ctx_len = min(-(-view_len // VIEW_BUCKET) * VIEW_BUCKET, max_len)
         cands = None
+        sizes = (end - pos).clamp(1, B)  # this step's block per row: anchor + what is left of the budget
+        num_drafts = None if B == 1 else sizes - 1
         timer()
         if B == 1:
             drafts = anchor.new_zeros(b, 0)
@@ -589,7 +614,7 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
         elif propose is not None:
             drafts, q = propose(anchor, pos, rows)
         else:
-            h, U = draft(drafter, target, ctx, anchor, pos, ctx_len, B)
+            h, U = draft(drafter, target, ctx, anchor, pos, ctx_len, B, sizes)
             timer("drafter")
             drafts, q, *cands = select_path(drafter.candidate_selector, h, U, anchor, method, temperature, g,
                                             with_candidates=trace is not None)
@@ -602,12 +627,13 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
             u_accept = torch.rand(b, B - 1, generator=g, device=device)
             u_emit = torch.rand(b, generator=g, device=device)
             p = process_logits(logits, temperature, top_k, top_p)
-            num_accepted, out = verify_sampled(drafts, q.to(p.dtype), p, u_accept, u_emit)
+            num_accepted, out = verify_sampled(drafts, q.to(p.dtype), p, u_accept, u_emit, num_drafts)
         else:
-            num_accepted, out = verify_greedy(drafts, logits)
+            num_accepted, out = verify_greedy(drafts, logits, num_drafts)
         if trace is not None:
             trace(dict(requests=rows.tolist(), steps=[results[r].verify_steps for r in rows.tolist()],
-                       anchor_pos=pos.tolist(), anchor=anchor.tolist(), drafts=drafts, q=q, candidates=cands,
+                       anchor_pos=pos.tolist(), anchor=anchor.tolist(), sizes=sizes.tolist(), drafts=drafts, q=q,
+                       candidates=cands,
                        target_argmax=logits.argmax(-1), u_accept=u_accept, u_emit=u_emit,
                        num_accepted=num_accepted, out=out))
         if ctx is not None:

@@ -12,7 +12,9 @@ from . import spec_decode as sd
 from .pair import DTYPES, load_pair, one_line
 from .settings import InputError
 
-TRACE_FORMAT = "dflash2-trace/1"
+# /2: a block shrinks to what is left of the budget (per-slot lists are that long), and results carry
+# acceptance_length on the authors' definition. /1 traces drafted full blocks to the end.
+TRACE_FORMAT = "dflash2-trace/2"
 
 
 def run(pair, prompts, settings, on_emit=None, trace_path=None):
@@ -92,16 +94,17 @@ def step_records(rec):
     argmax, out = rec["target_argmax"].tolist(), rec["out"].tolist()
     records = []
     for r, request in enumerate(rec["requests"]):
+        n = rec["sizes"][r] - 1  # this step's draft slots: the block may be cut short at the end of the budget
         records.append(dict(
             type="step", request=request, step=rec["steps"][r], anchor_pos=rec["anchor_pos"][r],
             context_len=rec["anchor_pos"][r],  # the drafter attends to every position before its anchor
-            anchor=rec["anchor"][r], drafts=drafts[r].tolist(),
-            candidates=None if cands is None else cands[0][r].tolist(),
-            cand_logits=None if cands is None else floats(cands[1][r].float()),
-            q=None if q is None or cands is None else floats(q[r].gather(-1, cands[0][r])),
-            q_draft=None if q is None else floats(q[r].gather(-1, drafts[r][:, None]).squeeze(-1)),
-            target_argmax=argmax[r],
-            u_accept=floats(rec["u_accept"][r].cpu()) if sampled else None,
+            anchor=rec["anchor"][r], drafts=drafts[r, :n].tolist(),
+            candidates=None if cands is None else cands[0][r, :n].tolist(),
+            cand_logits=None if cands is None else floats(cands[1][r, :n].float()),
+            q=None if q is None or cands is None else floats(q[r, :n].gather(-1, cands[0][r, :n])),
+            q_draft=None if q is None else floats(q[r, :n].gather(-1, drafts[r, :n, None]).squeeze(-1)),
+            target_argmax=argmax[r][: n + 1],
+            u_accept=floats(rec["u_accept"][r, :n].cpu()) if sampled else None,
             u_emit=floats(rec["u_emit"][r].cpu()) if sampled else None,
             num_accepted=n_acc[r], out=out[r][: n_acc[r] + 1]))
     return records
@@ -109,7 +112,7 @@ def step_records(rec):
 
 def result_record(request, res):
     return dict(type="result", request=request, tokens=res.tokens, verify_steps=res.verify_steps,
-                finished_by_stop=res.finished_by_stop)
+                finished_by_stop=res.finished_by_stop, acceptance_length=res.acceptance_length)
 
 
 # --- check: replay a trace through this reference and find where they part ---
@@ -127,7 +130,9 @@ def read_trace(path):
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"trace {path}: not a readable JSON Lines trace ({one_line(e)})") from e
     if not records or records[0].get("type") != "config" or records[0].get("format") != TRACE_FORMAT:
-        raise InputError(f"trace {path}: the first line is not a {TRACE_FORMAT} config record")
+        found = records[0].get("format") if records and isinstance(records[0], dict) else None
+        raise InputError(f"trace {path}: the first line is not a {TRACE_FORMAT} config record"
+                         + (f" (it is {found}; regenerate the trace)" if found else ""))
     return records
 
 
@@ -181,8 +186,9 @@ def compare_traces(ref_records, trace_records, atol):
     ref_results = {r["request"]: r for r in ref_records if r["type"] == "result"}
     for rec in trace_records:
         if rec.get("type") == "result":
-            for field in ("tokens", "verify_steps", "finished_by_stop"):
-                diff = first_difference(ref_results.get(rec["request"], {}).get(field), rec.get(field), 0)
+            for field in ("tokens", "verify_steps", "finished_by_stop", "acceptance_length"):
+                tol = atol if field == "acceptance_length" else 0
+                diff = first_difference(ref_results.get(rec["request"], {}).get(field), rec.get(field), tol)
                 if diff is not None:
                     path, ref, got = diff
                     index = "".join(f"[{i}]" for i in path)

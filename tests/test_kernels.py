@@ -11,7 +11,8 @@ from dflash2.kernels import attention_backends, drafter_attention
 
 @st.composite
 def attention_case(draw, max_ctx=24, batches=(1, 2, 3), kv_head_counts=(1, 2, 4), block_sizes=(2, 4, 8)):
-    """Block queries over [context, block] keys (4 query heads), each row with its own context length."""
+    """Block queries over [context, block] keys (4 query heads), each row with its own context length and its
+    own number of block slots in use (a block cut short at the end of a budget); causal or not."""
     b = draw(st.sampled_from(batches))
     heads, kv_heads = 4, draw(st.sampled_from(kv_head_counts))
     T = draw(st.sampled_from(block_sizes))
@@ -26,12 +27,13 @@ def attention_case(draw, max_ctx=24, batches=(1, 2, 3), kv_head_counts=(1, 2, 4)
     ctx_pos = torch.arange(S_ctx).expand(b, S_ctx)
     q_pos = ctx_len[:, None] + torch.arange(T)  # the block starts right after each row's context
     k_pos = torch.cat([ctx_pos, q_pos], 1)
-    k_valid = torch.cat([ctx_pos < ctx_len[:, None], torch.ones(b, T, dtype=torch.bool)], 1)
-    return q, k, v, q_pos, k_pos, k_valid, window
+    used = torch.tensor([draw(st.integers(1, T)) for _ in range(b)])
+    k_valid = torch.cat([ctx_pos < ctx_len[:, None], torch.arange(T) < used[:, None]], 1)
+    return q, k, v, q_pos, k_pos, k_valid, window, draw(st.booleans())
 
 
-def naive_attention(q, k, v, q_pos, k_pos, k_valid, window):
-    """Loop over batch, heads and queries: softmax over the keys the rule admits."""
+def naive_attention(q, k, v, q_pos, k_pos, k_valid, window, causal=False):
+    """Loop over batch, heads and queries: softmax over the keys the rule admits (and always the query's own)."""
     b, heads, T, hd = q.shape
     group = heads // k.shape[1]
     out = torch.zeros_like(q)
@@ -39,7 +41,8 @@ def naive_attention(q, k, v, q_pos, k_pos, k_valid, window):
         for h in range(heads):
             for i in range(T):
                 keys = [j for j in range(k.shape[2])
-                        if k_valid[n, j] and (window is None or abs(q_pos[n, i] - k_pos[n, j]) < window)]
+                        if (k_valid[n, j] and (window is None or abs(q_pos[n, i] - k_pos[n, j]) < window)
+                            and (not causal or k_pos[n, j] <= q_pos[n, i])) or j == k.shape[2] - T + i]
                 scores = torch.stack([q[n, h, i] @ k[n, h // group, j] for j in keys]) / math.sqrt(hd)
                 out[n, h, i] = torch.softmax(scores, 0) @ v[n, h // group, keys]
     return out
@@ -48,7 +51,8 @@ def naive_attention(q, k, v, q_pos, k_pos, k_valid, window):
 @settings(max_examples=25, deadline=None)
 @given(attention_case(max_ctx=10))
 def test_sdpa_matches_naive_attention(case):
-    torch.testing.assert_close(drafter_attention(*case[:6], sliding_window=case[6]), naive_attention(*case),
+    *args, window, causal = case
+    torch.testing.assert_close(drafter_attention(*args, sliding_window=window, causal=causal), naive_attention(*case),
                                atol=1e-5, rtol=1e-5)
 
 
@@ -57,18 +61,18 @@ def test_sdpa_matches_naive_attention(case):
 @settings(max_examples=8, deadline=None)
 @given(attention_case(max_ctx=40, batches=(3,), kv_head_counts=(1, 4), block_sizes=(3, 8)))
 def test_flex_matches_sdpa(case):
-    *args, window = case
-    sdpa = drafter_attention(*args, sliding_window=window, backend="sdpa")
-    flex = drafter_attention(*args, sliding_window=window, backend="flex")
+    *args, window, causal = case
+    sdpa = drafter_attention(*args, sliding_window=window, backend="sdpa", causal=causal)
+    flex = drafter_attention(*args, sliding_window=window, backend="flex", causal=causal)
     torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-5)
 
 
 @settings(max_examples=5, deadline=None)
 @given(attention_case(max_ctx=6))
 def test_sdpa_supports_backward(case):
-    q, k, v, q_pos, k_pos, k_valid, window = case
+    q, k, v, q_pos, k_pos, k_valid, window, causal = case
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
-    drafter_attention(q, k, v, q_pos, k_pos, k_valid, window).sum().backward()
+    drafter_attention(q, k, v, q_pos, k_pos, k_valid, window, causal=causal).sum().backward()
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
 
 

@@ -38,8 +38,10 @@ def test_trace_round_trip_agrees(capsys, tmp_path, setting):
     config, steps = records[0], [r for r in records if r["type"] == "step"]
     assert config["type"] == "config" and config["block_size"] == (6 if setting == "greedy" else 4)
     assert set(config["draft"]["sha256"]) == {"config.json", "model.safetensors"}
-    assert all(len(s["drafts"]) == config["block_size"] - 1 and len(s["out"]) == s["num_accepted"] + 1
-               for s in steps)
+    # a block shrinks to what is left of the budget: the anchor plus at most the tokens still to make
+    to_go = [config["max_new_tokens"] - (s["anchor_pos"] - len(config["prompts"][0]) + 1) for s in steps]
+    assert all(len(s["drafts"]) == min(config["block_size"] - 1, n) and len(s["out"]) == s["num_accepted"] + 1
+               for s, n in zip(steps, to_go))
     assert all(s["context_len"] == s["anchor_pos"] for s in steps)
     assert (steps[0]["u_accept"] is None) == (setting == "greedy")
     agree, line = check(tmp_path / "t.jsonl")
