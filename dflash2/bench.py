@@ -220,6 +220,157 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
     return results, wall
 
 
+# --- peers: what a user would run instead, on the same target object, prompts and stop tokens ---
+
+PEERS = ("hf", "hf-pld", "zlab")
+# Prompt lookup's settings: the best of the sweep in docs/BENCHMARKS.md (--pld-sweep).
+PLD_NUM_TOKENS, PLD_NGRAM = 10, 2
+ZLAB_INSTALL = "pip install dflash==0.1.0 --no-deps"
+
+
+def cannot_run(method, concurrency):
+    """Why a peer does not run at this concurrency, in words (None: it runs). The text before " (" is
+    what a table cell shows."""
+    if method not in PEERS or concurrency == 1:
+        return None
+    return {"hf": "not run: batch 1 here (generate batches only statically, left-padded, no continuous batching)",
+            "hf-pld": "cannot run: batch 1 only (transformers' assisted generation raises for batch_size > 1)",
+            "zlab": "cannot run: batch 1 only (dflash_generate decodes one sequence)"}[method]
+
+
+def load_zlab(draft, model, prepack):
+    """The authors' loop and their DFlash2DraftModel holding our drafter checkpoint, in the target's dtype (their
+    loop feeds the target's embeddings and features to the drafter and its hidden states to the target's LM head,
+    uncast); (None, why) when the dflash package cannot be imported."""
+    try:
+        from dflash.model import DFlash2DraftModel, dflash_generate
+    except ImportError as e:
+        return None, f"skipped: the authors' dflash is not importable ({e}; {ZLAB_INSTALL})"
+    from .pair import resolve_draft
+
+    head = model.get_output_embeddings().weight
+    zmodel = DFlash2DraftModel.from_pretrained(str(resolve_draft(draft)[1]), dtype=head.dtype).to(head.device).eval()
+    if prepack:  # the same oneDNN kernels as our drafter and the target
+        prepack_linears(zmodel)
+    return (zmodel, dflash_generate), None
+
+
+class PeerResult:
+    """A peer's output for one request: its tokens and how many times the target ran (the prefill first)."""
+
+    def __init__(self, tokens, verify_steps):
+        self.tokens, self.verify_steps = tokens, verify_steps
+
+    @property
+    def acceptance_length(self):
+        """Tokens per decode step, the prefill's token excluded (as spec_decode.Result); None without a decode step."""
+        steps = self.verify_steps - 1
+        return (len(self.tokens) - 1) / steps if steps > 0 else None
+
+
+class CallMeter:
+    """Counts the target's forwards (a peer's verification steps, the prefill first) and, with timings, adds
+    the seconds spent in each watched callable to its phase; the target's first call of a request is its prefill."""
+
+    def __init__(self, timings, device):
+        self.timings, self.device, self.calls, self._undo = timings, device, 0, []
+
+    def _now(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _add(self, phase, seconds):
+        if self.timings is not None:
+            self.timings[phase] = self.timings.get(phase, 0.0) + seconds
+
+    def watch_target(self, model):
+        started = []
+
+        def pre(*_):
+            started.append(self._now() if self.timings is not None else 0.0)
+
+        def post(*_):
+            self._add("prefill" if self.calls == 0 else "verify", self._now() - started.pop() if started else 0.0)
+            self.calls += 1
+
+        self._undo += [model.register_forward_pre_hook(pre).remove, model.register_forward_hook(post).remove]
+
+    def watch(self, obj, name, phase):
+        """Time obj.name, a method of a class or of one instance, until close()."""
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = self._now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add(phase, self._now() - start)
+
+        had = name in vars(obj)  # a class's own method (restored), or a bound method shadowed on the instance
+        setattr(obj, name, timed)
+        self._undo.append(lambda: setattr(obj, name, fn) if had else delattr(obj, name))
+
+    def close(self):
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+
+
+def run_peer(model, method, prompts, args, stop_ids, desc, timings=None, zlab=None, max_new_tokens=None):
+    """Decode prompts one at a time with a peer on the target object `model`; returns PeerResults and the wall
+    time. With timings: seconds per phase (prefill, drafter = a draft forward or prompt lookup's search,
+    selector, verify = the target's other forwards, bookkeeping = the rest of the wall time)."""
+    max_new_tokens = max_new_tokens or args.max_new_tokens
+    sampled = args.temperature > 0
+    meter = CallMeter(timings, model.device)
+    meter.watch_target(model)
+    if method == "hf-pld" and timings is not None:
+        from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+        meter.watch(PromptLookupCandidateGenerator, "get_candidates", "drafter")
+    if method == "zlab" and timings is not None:
+        meter.watch(zlab[0], "forward", "drafter")
+        meter.watch(zlab[0], "propose", "selector")
+    hf = dict(max_new_tokens=max_new_tokens, do_sample=sampled, eos_token_id=list(stop_ids),
+              pad_token_id=stop_ids[0] if stop_ids else None)
+    if sampled:  # top_k 0 = off, as ours
+        hf.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if method == "hf-pld":
+        hf.update(prompt_lookup_num_tokens=args.pld_num_tokens, max_matching_ngram_size=args.pld_ngram)
+    bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False)
+    results = []
+    start = time.perf_counter()
+    try:
+        for i, prompt in enumerate(prompts):
+            torch.manual_seed(args.seed + i)  # their sampling draws from torch's global generator
+            ids = torch.tensor([prompt], device=model.device)
+            meter.calls = 0
+            if method == "zlab":
+                zmodel, dflash_generate = zlab
+                out = dflash_generate(zmodel, model, ids, max_new_tokens, list(stop_ids), temperature=args.temperature,
+                                      top_p=args.top_p, top_k=args.top_k, block_size=args.block_size)
+            else:
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), **hf)
+            results.append(PeerResult(out[0, len(prompt):].tolist(), meter.calls))
+            bar.update(1)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    finally:
+        meter.close()
+        bar.close()
+    if timings is not None:
+        timings["bookkeeping"] = wall - sum(timings.values())
+    return results, wall
+
+
+def mean_tau(results):
+    """Mean acceptance length over requests that made a decode step (None if none did)."""
+    taus = [r.acceptance_length for r in results if r.acceptance_length is not None]
+    return statistics.mean(taus) if taus else None
+
+
 PHASES = ["drafter", "selector", "verify", "bookkeeping"]  # the phases generate(timings=...) times in each step
 
 
@@ -244,6 +395,8 @@ def profile_table(rows):
         if "step_ms" not in r:
             continue
         t = r["step_ms"]
+        if not t.get("verify"):  # every request ended at its prefill
+            continue
         overhead = sum(t.get(k, 0.0) for k in ("drafter", "selector", "bookkeeping")) / t["verify"]
         ar = total.get((r["task"], r["concurrency"], "ar"))
         cost = f"{sum(t.values()) / ar:.2f}" if ar else "–"
@@ -252,10 +405,15 @@ def profile_table(rows):
     return "\n".join(out) + "\n"
 
 
+def _shown(r, text):
+    """A table cell: the figure, or in words why the method did not run there."""
+    return text if r.get("cannot_run") is None else r["cannot_run"].split(" (")[0]
+
+
 def tables(rows, tasks, methods, concurrencies):
     """The model card's layout: tau per task, throughput per task x (concurrency, method), speedup ranges."""
     cell = {(r["task"], r["method"], r["concurrency"]): r for r in rows}
-    drafts = [m for m in methods if m != "ar"]
+    drafts = [m for m in methods if m not in ("ar", "hf")]  # hf's tau is 1 by definition
     out = []
     if drafts:
         c = min(concurrencies)
@@ -263,9 +421,10 @@ def tables(rows, tasks, methods, concurrencies):
         out.append("| task | " + " | ".join(drafts) + " |")
         out.append("|---" * (len(drafts) + 1) + "|")
         for task in tasks:
-            out.append(f"| {task} | " + " | ".join(f"{cell[task, m, c]['acceptance_length']:.2f}" for m in drafts) + " |")
-        means = [statistics.mean(cell[t, m, c]["acceptance_length"] for t in tasks) for m in drafts]
-        out.append("| mean | " + " | ".join(f"{x:.2f}" for x in means) + " |")
+            out.append(f"| {task} | " + " | ".join(_shown(cell[task, m, c], _fmt(cell[task, m, c]["acceptance_length"]))
+                                                  for m in drafts) + " |")
+        means = [[cell[t, m, c]["acceptance_length"] for t in tasks] for m in drafts]
+        out.append("| mean | " + " | ".join(_fmt(statistics.mean(x) if None not in x else None) for x in means) + " |")
         out.append("")
     cols = [(c, m) for c in concurrencies for m in methods]
     out.append("Throughput tok/s (speedup vs ar)\n")
@@ -276,19 +435,59 @@ def tables(rows, tasks, methods, concurrencies):
         for c, m in cols:
             r = cell[task, m, c]
             speedup = f" ({r['speedup_vs_ar']:.2f}×)" if m != "ar" and r["speedup_vs_ar"] is not None else ""
-            cells.append(f"{r['throughput_tok_s']:.1f}{speedup}")
+            cells.append(_shown(r, f"{r['throughput_tok_s']:.1f}{speedup}" if r["throughput_tok_s"] else ""))
         out.append(f"| {task} | " + " | ".join(cells) + " |")
-    if drafts and "ar" in methods:
+    if any(m != "ar" for m in methods) and "ar" in methods:
         out.append("")
         out.append("Speedup over ar across tasks: min–max (mean)\n")
         out.append("| method | " + " | ".join(f"c={c}" for c in concurrencies) + " |")
         out.append("|---" * (len(concurrencies) + 1) + "|")
-        for m in drafts:
+        for m in methods:
+            if m == "ar":
+                continue
             cells = []
             for c in concurrencies:
                 s = [cell[t, m, c]["speedup_vs_ar"] for t in tasks]
-                cells.append(f"{min(s):.2f}×–{max(s):.2f}× ({statistics.mean(s):.2f}×)")
+                cells.append(f"{min(s):.2f}×–{max(s):.2f}× ({statistics.mean(s):.2f}×)" if None not in s
+                             else _shown(cell[tasks[0], m, c], "–"))
             out.append(f"| {m} | " + " | ".join(cells) + " |")
+    reasons = sorted({r["cannot_run"] for r in rows if r.get("cannot_run")})
+    if reasons:
+        out += ["", "Not run:"] + [f"- {why}" for why in reasons]
+    return "\n".join(out)
+
+
+def _fmt(x, spec=".2f"):
+    return "–" if x is None else format(x, spec)
+
+
+GOALS = {"hf-pld": 1.8, "hf": 2.5}  # issue 22: dflash2's speedup over each peer at concurrency 1, on every task
+
+
+def side_by_side(rows, tasks, methods):
+    """Concurrency 1, every method on the same target object: tok/s (speedup vs hf), and dflash2's ratio to each
+    peer against its goal. A cell whose greedy output differs from ar's says so."""
+    cell = {(r["task"], r["method"]): r for r in rows if r["concurrency"] == 1}
+    ratios = [p for p in GOALS if p in methods and "dflash2" in methods]
+    out = ["Side by side at concurrency 1 on the same target object: tok/s (speedup vs hf); "
+           "greedy outputs checked against ar's\n",
+           "| task | " + " | ".join(methods) + "".join(f" | dflash2 / {p} (goal ≥ {GOALS[p]}×)" for p in ratios) + " |",
+           "|---" * (len(methods) + len(ratios) + 1) + "|"]
+    for task in tasks:
+        cells = []
+        for m in methods:
+            r = cell[task, m]
+            vs = f" ({r['speedup_vs_hf']:.2f}×)" if r.get("speedup_vs_hf") is not None and m != "hf" else ""
+            differs = " DIFFERS from ar" if r["identical_to_ar"] is False else ""
+            cells.append(_shown(r, f"{_fmt(r['throughput_tok_s'], '.1f')}{vs}{differs}"))
+        for p in ratios:
+            ours, peer = cell[task, "dflash2"]["throughput_tok_s"], cell[task, p]["throughput_tok_s"]
+            if ours and peer:
+                x = ours / peer
+                cells.append(f"{x:.2f}× ({'met' if x >= GOALS[p] else 'not met'})")
+            else:
+                cells.append("–")
+        out.append(f"| {task} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -300,17 +499,22 @@ def plot(rows, tasks, methods, concurrencies, path):
     import matplotlib.pyplot as plt
 
     cell = {(r["task"], r["method"], r["concurrency"]): r for r in rows}
-    drafts = [m for m in methods if m != "ar"]
+    drafts = [m for m in methods if m not in ("ar", "hf")]
+
+    def value(task, m, c, key):  # a gap where the method did not run
+        x = cell[task, m, c][key]
+        return float("nan") if x is None else x
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(len(drafts), 1)
     for k, m in enumerate(drafts):
         ax1.bar([i + k * width for i in range(len(tasks))],
-                [cell[t, m, min(concurrencies)]["acceptance_length"] for t in tasks], width, label=m)
+                [value(t, m, min(concurrencies), "acceptance_length") for t in tasks], width, label=m)
     ax1.set_xticks([i + width * (len(drafts) - 1) / 2 for i in range(len(tasks))], tasks)
     ax1.set_ylabel("acceptance length τ")
     ax1.legend()
     for m in methods:
-        ax2.plot(concurrencies, [statistics.mean(cell[t, m, c]["throughput_tok_s"] for t in tasks)
+        ax2.plot(concurrencies, [statistics.mean(value(t, m, c, "throughput_tok_s") for t in tasks)
                                  for c in concurrencies], marker="o", label=m)
     ax2.set_xscale("log", base=2)
     ax2.set_xticks(concurrencies, [str(c) for c in concurrencies])
@@ -331,6 +535,43 @@ def _names(allowed):
     return parse
 
 
+def _pld_settings(s):
+    try:
+        pairs = [tuple(int(v) for v in x.split(":")) for x in s.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected NUM_TOKENS:NGRAM pairs of positive integers, e.g. 5:2,10:3, got {s!r}")
+    return pairs
+
+
+def pld_sweep(model, prompts, args, stop_ids):
+    """--pld-sweep: hf-pld at each (prompt_lookup_num_tokens, max_matching_ngram_size), every setting in turn on
+    each task at concurrency 1; prints tok/s and tau per task, the mean tok/s, and writes the rows to --out."""
+    rows = []
+    for task in args.tasks:
+        for n, g in args.pld_sweep:
+            args.pld_num_tokens, args.pld_ngram = n, g
+            results, wall = run_peer(model, "hf-pld", prompts[task], args, stop_ids, f"{task} hf-pld {n}:{g}")
+            tokens = sum(len(r.tokens) for r in results)
+            rows.append(dict(task=task, pld_num_tokens=n, pld_ngram=g, throughput_tok_s=tokens / wall,
+                             acceptance_length=mean_tau(results), completion_tokens=tokens, wall_s=wall))
+    cell = {(r["task"], r["pld_num_tokens"], r["pld_ngram"]): r for r in rows}
+    mean = {(n, g): statistics.mean(cell[t, n, g]["throughput_tok_s"] for t in args.tasks) for n, g in args.pld_sweep}
+    lines = ["hf-pld sweep at concurrency 1: tok/s (τ)\n",
+             "| num_tokens | ngram | " + " | ".join(args.tasks) + " | mean tok/s |", "|---" * (len(args.tasks) + 3) + "|"]
+    for n, g in args.pld_sweep:
+        lines.append(f"| {n} | {g} | " + " | ".join(f"{cell[t, n, g]['throughput_tok_s']:.1f} "
+                                                    f"({_fmt(cell[t, n, g]['acceptance_length'])})" for t in args.tasks)
+                     + f" | {mean[n, g]:.1f} |")
+    best = max(mean, key=mean.get)
+    lines.append(f"\nbest: --pld-num-tokens {best[0]} --pld-ngram {best[1]}")
+    print("\n".join(lines))
+    report = {"config": dict(vars(args), torch=torch.__version__), "pld_sweep": rows, "best": list(best)}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def _ints(s):
     values = [int(x) for x in s.split(",")]
     if not values or min(values) < 1:
@@ -344,7 +585,10 @@ def main(argv=None):
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="drafter checkpoint dir or hub id")
     ap.add_argument("--data-dir", default="../shared/data", help="local data (else the hub via `datasets`)")
     ap.add_argument("--tasks", type=_names(TASKS), default=list(TASKS))
-    ap.add_argument("--methods", type=_names(METHODS), default=["ar", "dflash", "dflash2"])
+    ap.add_argument("--methods", type=_names(METHODS + PEERS), default=["ar", "dflash", "dflash2"],
+                    help="ours (ar, dflash, dflash2) and peers on the same target object: hf (transformers "
+                         "generate), hf-pld (its prompt lookup decoding), zlab (the authors' dflash_generate, "
+                         "PyPI dflash==0.1.0); peers run at concurrency 1 only")
     ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="requests in flight, e.g. 1,8,32")
     ap.add_argument("--num-prompts", type=int, default=16, help="the first N prompts of each task")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -373,6 +617,11 @@ def main(argv=None):
                          "and the tasks (tau is meaningless then; the per-step split with --profile is the point)")
     ap.add_argument("--synthetic-layers", type=int, default=None, help="target layers of --synthetic (default 8 / 4)")
     ap.add_argument("--synthetic-prompt-len", type=int, default=256)
+    ap.add_argument("--pld-num-tokens", type=int, default=PLD_NUM_TOKENS, help="hf-pld's prompt_lookup_num_tokens")
+    ap.add_argument("--pld-ngram", type=int, default=PLD_NGRAM, help="hf-pld's max_matching_ngram_size")
+    ap.add_argument("--pld-sweep", type=_pld_settings, default=None, metavar="N:G,...",
+                    help="instead of the methods: time hf-pld at each prompt_lookup_num_tokens:max_matching_ngram_size "
+                         "on the tasks at concurrency 1, in one process, and print the table")
     ap.add_argument("--out", default="results.json")
     ap.add_argument("--plot", default=None, help="also draw tau and throughput to this image (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -382,6 +631,14 @@ def main(argv=None):
         raise SystemExit(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.alternate < 0 or (args.alternate and not args.compile):
         raise SystemExit("--alternate N needs N >= 1 and --compile (it alternates eager and compiled runs)")
+    if args.pld_sweep:
+        args.methods, args.concurrency = ["hf-pld"], [1]
+    peers = [m for m in args.methods if m in PEERS]
+    if peers and (args.synthetic or args.alternate or args.compile):
+        raise SystemExit(f"--methods {','.join(peers)}: peers run on a real pair, eager (not with --synthetic, "
+                         "--compile or --alternate)")
+    if args.pld_num_tokens < 1 or args.pld_ngram < 1:
+        raise SystemExit("--pld-num-tokens and --pld-ngram must be >= 1")
 
     try:  # before any slow load
         args.attn_backend = check_attn_backend(args.attn_backend, args.device, compiled=args.compile)
@@ -402,7 +659,7 @@ def main(argv=None):
         texts = load_tasks(args.tasks, args.data_dir, args.num_prompts)
         model, tokenizer = load_target(args.target, device=args.device, dtype=dtype, prepack=not args.no_prepack)
         drafter = None
-        if any(m != "ar" for m in args.methods):
+        if any(m in METHODS and m != "ar" for m in args.methods):
             drafter = DFlash2Drafter.from_pretrained(args.draft, device=args.device, dtype=draft_dtype,
                                                      attn_backend=args.attn_backend)
         if drafter is not None and not args.no_prepack:
@@ -415,11 +672,20 @@ def main(argv=None):
     target = Target(model, drafter.config.target_layer_ids if drafter is not None else ())
     eager = core_functions(target, drafter)
     maybe_compile(target, drafter, args.compile)
+    zlab, zlab_missing = load_zlab(args.draft, model, not args.no_prepack) if "zlab" in args.methods else (None, None)
+    if zlab_missing:
+        print(f"zlab {zlab_missing}", flush=True)
+    if args.pld_sweep:
+        return pld_sweep(model, prompts, args, stop_ids)
 
     # Untimed warm-up of every method, so one-time costs (allocator, kernels, compilation) are billed to no one.
     first = next(iter(prompts.values()))[0]
     # Compiled runs warm up at the real length: static cache shapes depend on it.
     for m in args.methods:
+        if m in PEERS:
+            if not (m == "zlab" and zlab is None):
+                run_peer(model, m, [first], args, stop_ids, f"warm-up {m}", zlab=zlab, max_new_tokens=8)
+            continue
         generate(target, drafter, [first], method=m, max_new_tokens=args.max_new_tokens if args.compile else 8,
                  block_size=args.block_size, static=args.compile)
 
@@ -438,32 +704,47 @@ def main(argv=None):
         return report
 
     rows, outputs = [], {}
-    for task in args.tasks:
+    for task in args.tasks:  # every method in turn, ours and peers alike, so drift hits them alike
         for c in args.concurrency:
             for m in args.methods:
+                row = dict(task=task, method=m, concurrency=c, num_prompts=len(prompts[task]), acceptance_length=None,
+                           throughput_tok_s=None, speedup_vs_ar=None, speedup_vs_hf=None, completion_tokens=None,
+                           wall_s=None, identical_to_ar=None, cannot_run=zlab_missing if m == "zlab" else None)
+                row["cannot_run"] = row["cannot_run"] or cannot_run(m, c)
+                rows.append(row)
+                if row["cannot_run"]:
+                    continue
                 timings = {} if args.profile else None
-                results, wall = run_method(target, drafter, prompts[task], m, c, args, stop_ids, f"{task} {m} c={c}",
-                                           timings)
+                if m in PEERS:
+                    results, wall = run_peer(model, m, prompts[task], args, stop_ids, f"{task} {m} c={c}", timings,
+                                             zlab)
+                else:
+                    results, wall = run_method(target, drafter, prompts[task], m, c, args, stop_ids,
+                                               f"{task} {m} c={c}", timings)
                 outputs[task, m, c] = [r.tokens for r in results]
                 tokens = sum(len(r.tokens) for r in results)
-                rows.append(dict(task=task, method=m, concurrency=c, num_prompts=len(results),
-                                 acceptance_length=statistics.mean(r.acceptance_length for r in results),
-                                 throughput_tok_s=tokens / wall, speedup_vs_ar=None, completion_tokens=tokens,
-                                 wall_s=wall, identical_to_ar=None))
+                row.update(acceptance_length=mean_tau(results), throughput_tok_s=tokens / wall,
+                           completion_tokens=tokens, wall_s=wall)
                 if timings is not None:
-                    rows[-1]["step_ms"] = step_ms(results, timings)
+                    row["step_ms"] = step_ms(results, timings)
 
     greedy = args.temperature == 0
-    for r in rows:
+    measured = {(r["task"], r["method"], r["concurrency"]): r for r in rows if r["cannot_run"] is None}
+    for r in measured.values():
         key = r["task"], "ar", r["concurrency"]
-        if key in outputs:
-            ar = next(x for x in rows if (x["task"], x["method"], x["concurrency"]) == key)
-            r["speedup_vs_ar"] = r["throughput_tok_s"] / ar["throughput_tok_s"]
-            # Lossless: greedy drafting must reproduce ar's output for the same prompt (at the same concurrency).
+        if key in measured:
+            r["speedup_vs_ar"] = r["throughput_tok_s"] / measured[key]["throughput_tok_s"]
+            # Lossless: greedy drafting, ours or a peer's, must reproduce ar's output for the same prompt
+            # (at the same concurrency).
             if greedy:
                 r["identical_to_ar"] = outputs[r["task"], r["method"], r["concurrency"]] == outputs[key]
+        hf = r["task"], "hf", r["concurrency"]
+        if hf in measured:
+            r["speedup_vs_hf"] = r["throughput_tok_s"] / measured[hf]["throughput_tok_s"]
 
     print(tables(rows, args.tasks, args.methods, args.concurrency))
+    if peers and 1 in args.concurrency:
+        print("\n" + side_by_side(rows, args.tasks, args.methods))
     if args.profile:
         print(profile_table(rows))
     for r in rows:
@@ -472,6 +753,8 @@ def main(argv=None):
                   f"{r['concurrency']}: decoding is NOT lossless here", flush=True)
     report = {"config": dict(vars(args), block_size=args.block_size or (drafter.config.block_size if drafter else 1),
                              torch=torch.__version__), "results": rows}
+    if zlab is not None:  # their loop needs the drafter in the target's dtype
+        report["config"]["zlab_draft_dtype"] = str(next(zlab[0].parameters()).dtype).removeprefix("torch.")
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
         plot(rows, args.tasks, args.methods, args.concurrency, args.plot)

@@ -1,5 +1,6 @@
 """bench.py follows the model card's protocol: the SPEC §8 prompt strings, and a complete, sane report."""
 import gzip
+import importlib.util
 import json
 import os
 import sys
@@ -101,9 +102,9 @@ def test_tiny_run_reports_every_field(tiny_pair, tmp_path, capsys):
         (t, m, c) for t in ("gsm8k", "mbpp") for m in ("ar", "dflash2") for c in (1, 2)}
     for r in rows:
         assert set(r) - {"step_ms"} == {"task", "method", "concurrency", "num_prompts", "acceptance_length",
-                                        "throughput_tok_s", "speedup_vs_ar", "completion_tokens", "wall_s",
-                                        "identical_to_ar"}
-        assert r["num_prompts"] == 3 and r["identical_to_ar"] is True
+                                        "throughput_tok_s", "speedup_vs_ar", "speedup_vs_hf", "completion_tokens",
+                                        "wall_s", "identical_to_ar", "cannot_run"}
+        assert r["num_prompts"] == 3 and r["identical_to_ar"] is True and r["cannot_run"] is None
         assert 1 <= r["acceptance_length"] <= (1 if r["method"] == "ar" else 8)
         assert r["throughput_tok_s"] > 0 and r["wall_s"] > 0 and r["speedup_vs_ar"] > 0
         assert 3 <= r["completion_tokens"] <= 3 * 12
@@ -217,3 +218,99 @@ def test_alternate_runs_eager_and_compiled_in_turn(tiny_pair, tmp_path, capsys):
     assert "| gsm8k | dflash2 | 1 |" in out and "| 2 | compiled | gsm8k | dflash2 |" in out
     with pytest.raises(SystemExit, match="--alternate N needs"):
         bench.main(["--alternate", "2", "--out", str(tmp_path / "x.json")])
+
+
+def _bench(tiny_pair, data, out, *flags):
+    target_dir, draft_dir = tiny_pair
+    return bench.main(["--target", str(target_dir), "--draft", str(draft_dir), "--data-dir", str(data),
+                       "--device", "cpu", "--out", str(out), *flags])
+
+
+def test_peers_reproduce_our_greedy_output_and_say_what_they_cannot_run(tiny_pair, tmp_path, capsys):
+    """hf, hf-pld and (when installed) zlab decode the same prompts on the same target object: their greedy
+    outputs equal ar's; at concurrency 2 their rows say in words why they did not run."""
+    write_tiny_data(tmp_path / "data")
+    peers = ["hf", "hf-pld"] + (["zlab"] if importlib.util.find_spec("dflash") else [])
+    methods = ["ar", "dflash2"] + peers
+    report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--tasks", "gsm8k,mbpp", "--methods",
+                    ",".join(methods), "--concurrency", "1,2", "--num-prompts", "2", "--max-new-tokens", "12",
+                    "--pld-num-tokens", "3", "--pld-ngram", "1", "--profile")
+    rows = {(r["task"], r["method"], r["concurrency"]): r for r in report["results"]}
+    assert set(rows) == {(t, m, c) for t in ("gsm8k", "mbpp") for m in methods for c in (1, 2)}
+    assert report["config"]["pld_num_tokens"] == 3 and report["config"]["pld_ngram"] == 1
+    for (task, m, c), r in rows.items():
+        assert set(r) - {"step_ms"} == {"task", "method", "concurrency", "num_prompts", "acceptance_length",
+                                        "throughput_tok_s", "speedup_vs_ar", "speedup_vs_hf", "completion_tokens",
+                                        "wall_s", "identical_to_ar", "cannot_run"}
+        if m in peers and c == 2:
+            assert "batch 1" in r["cannot_run"] and r["throughput_tok_s"] is None and r["identical_to_ar"] is None
+            continue
+        assert r["cannot_run"] is None and r["identical_to_ar"] is True and r["throughput_tok_s"] > 0
+        assert r["completion_tokens"] == rows[task, "ar", c]["completion_tokens"]
+        assert (r["speedup_vs_hf"] is not None) == (c == 1)
+    assert all(rows[t, "hf", 1]["acceptance_length"] == 1 for t in ("gsm8k", "mbpp"))  # one token per forward
+    for m in peers:  # the profile splits a peer's step too
+        assert rows["gsm8k", m, 1]["step_ms"]["verify"] > 0
+    assert rows["gsm8k", "hf-pld", 1]["step_ms"]["drafter"] > 0  # prompt lookup's candidate search
+    printed = capsys.readouterr().out
+    assert "| not run: batch 1 here" in printed and "| cannot run: batch 1 only" in printed
+    assert "Side by side at concurrency 1" in printed and "dflash2 / hf-pld (goal ≥ 1.8×)" in printed
+    assert "WARNING" not in printed
+
+
+def test_peer_greedy_mismatch_is_reported_loudly(tiny_pair, tmp_path, capsys, monkeypatch):
+    def corrupted(*args, **kwargs):
+        results, wall = bench_run_peer(*args, **kwargs)
+        results[0].tokens[-1] ^= 1
+        return results, wall
+
+    bench_run_peer = bench.run_peer
+    monkeypatch.setattr(bench, "run_peer", corrupted)
+    write_tiny_data(tmp_path / "data")
+    report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--tasks", "mt-bench", "--methods",
+                    "ar,hf-pld", "--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "4")
+    assert [r["identical_to_ar"] for r in report["results"]] == [True, False]
+    printed = capsys.readouterr().out
+    assert "WARNING: hf-pld greedy output differs from ar on mt-bench" in printed and "DIFFERS from ar" in printed
+
+
+def test_zlab_is_skipped_with_a_clear_message_when_dflash_is_missing(tiny_pair, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "dflash", None)  # as if the authors' package were not installed
+    monkeypatch.setitem(sys.modules, "dflash.model", None)
+    write_tiny_data(tmp_path / "data")
+    report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--tasks", "gsm8k", "--methods",
+                    "ar,dflash2,zlab", "--concurrency", "1,2", "--num-prompts", "1", "--max-new-tokens", "4")
+    rows = {(r["method"], r["concurrency"]): r for r in report["results"]}
+    assert all(rows["zlab", c]["cannot_run"].startswith("skipped: the authors' dflash is not importable")
+               and rows["zlab", c]["throughput_tok_s"] is None for c in (1, 2))
+    assert rows["dflash2", 1]["identical_to_ar"] is True
+    printed = capsys.readouterr().out
+    assert "zlab skipped" in printed and "pip install dflash==0.1.0" in printed and "| skipped: the authors'" in printed
+
+
+def test_peers_sample_too(tiny_pair, tmp_path):
+    """Sampled runs: hf and hf-pld sample (their own random draws, so no identity check), zlab too if installed."""
+    write_tiny_data(tmp_path / "data")
+    peers = ["hf", "hf-pld"] + (["zlab"] if importlib.util.find_spec("dflash") else [])
+    report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--tasks", "gsm8k", "--methods",
+                    ",".join(["ar"] + peers), "--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "6",
+                    "--temperature", "1.0", "--top-p", "0.95")
+    for r in report["results"]:
+        assert r["cannot_run"] is None and r["identical_to_ar"] is None and 1 <= r["completion_tokens"] <= 6
+
+
+def test_pld_sweep_times_each_setting(tiny_pair, tmp_path, capsys):
+    write_tiny_data(tmp_path / "data")
+    report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--tasks", "gsm8k,mbpp", "--num-prompts", "1",
+                    "--max-new-tokens", "8", "--pld-sweep", "2:1,4:2")
+    assert [(r["task"], r["pld_num_tokens"], r["pld_ngram"]) for r in report["pld_sweep"]] == [
+        (t, n, g) for t in ("gsm8k", "mbpp") for n, g in ((2, 1), (4, 2))]
+    assert all(r["throughput_tok_s"] > 0 for r in report["pld_sweep"])
+    assert f"best: --pld-num-tokens {report['best'][0]} --pld-ngram {report['best'][1]}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--pld-sweep", "10", "--out", str(tmp_path / "x.json")])
+
+
+def test_peers_refuse_settings_they_have_no_meaning_in(tmp_path):
+    with pytest.raises(SystemExit, match="peers run on a real pair"):
+        bench.main(["--synthetic", "tiny", "--methods", "ar,hf", "--out", str(tmp_path / "x.json")])
