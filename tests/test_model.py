@@ -1,9 +1,10 @@
+import itertools
 import json
 
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
 from dflash2.model import (CandidateSelector, CheckpointError, DFlash2Config, DFlash2Drafter, DynamicConv,
@@ -354,12 +355,13 @@ def test_context_kv_shapes(config):
 
 # -- candidate selector ---------------------------------------------------------------------
 
-def selector_inputs(b, n, V, H, r, K, seed):
+def selector_inputs(b, n, V, H, r, K, seed, u_scale=3.0):
+    """A random selector and its inputs; a small u_scale lets the bilinear term decide the walk."""
     c = tiny_glm_config(vocab_size=V, hidden_size=H, selector_rank=r, selector_top_k=K, mask_token_id=0,
                         conv_group_size=H)
     sel = randomize(CandidateSelector(c), seed)
     g = torch.Generator().manual_seed(seed + 1)
-    h, U = torch.randn(b, n, H, generator=g), torch.randn(b, n, V, generator=g) * 3
+    h, U = torch.randn(b, n, H, generator=g), torch.randn(b, n, V, generator=g) * u_scale
     anchor = torch.randint(0, V, (b,), generator=g)
     return sel, h, U, anchor
 
@@ -390,9 +392,12 @@ def test_edge_scores_match_double_loop(b, n, V, K, seed):
 
 
 @FAST
-@given(**sel_cases)
-def test_greedy_walk_is_stepwise_argmax(b, n, V, K, seed):
-    sel, h, U, anchor = selector_inputs(b, n, V, 16, 4, K, seed)
+@example(b=2, n=4, V=12, K=4, seed=0, u_scale=0.0)  # the bilinear term alone decides: every seed meets one
+@given(**sel_cases, u_scale=st.sampled_from([0.0, 0.05, 3.0]))
+def test_greedy_walk_is_stepwise_argmax(b, n, V, K, seed, u_scale):
+    """d_t = argmax_b S_t(d_{t-1}, b) with the predecessor the walk itself chose. With u_scale small the
+    bilinear term decides, so a walk that scores every slot from one fixed predecessor row differs."""
+    sel, h, U, anchor = selector_inputs(b, n, V, 16, 4, K, seed, u_scale)
     with torch.no_grad():
         cand, _ = sel.candidates(U, K)
         S = sel.edge_scores(h, U, cand, anchor)
@@ -423,6 +428,35 @@ def test_sampled_walk_proposes_over_candidates(b, n, V, K, seed, temperature):
     prev_idx = torch.cat([torch.zeros(b, 1, dtype=torch.long), (cand[:, :-1] == path[:, :-1, None]).long().argmax(-1)], 1)
     rows = S.gather(2, prev_idx[:, :, None, None].expand(b, n, 1, K)).squeeze(2)
     torch.testing.assert_close(q.gather(-1, cand), torch.softmax(rows / temperature, -1))
+
+
+@pytest.mark.parametrize("temperature", [0.3, 2.0])
+def test_sampled_walk_draws_follow_its_q(temperature):
+    """The walk's draws, not only its reported q: the empirical law of whole paths (d_1, d_2, d_3) equals
+    prod_t q_t(d_t | d_{t-1}) from softmax(S_t(d_{t-1}, .) / T), at temperatures other than 1. Total
+    variation bound as in test_verify: E[TV] <= 1/2 sum sqrt(p / N), plus a McDiarmid term (failure e^-30)."""
+    n, K, reps = 3, 4, 20000
+    sel, h, U, anchor = selector_inputs(1, n, 12, 16, 4, K, seed=3, u_scale=0.5)
+    with torch.no_grad():
+        cand, _ = sel.candidates(U, K)
+        S = sel.edge_scores(h, U, cand, anchor)[0].double()
+        path, q = sel.walk(S[None].float().expand(reps, -1, -1, -1), cand.expand(reps, -1, -1), temperature,
+                           torch.Generator().manual_seed(0))
+    law = {}
+    for idx in itertools.product(range(K), repeat=n):
+        prob, prev = 1.0, 0
+        for t, i in enumerate(idx):
+            prob *= float(torch.softmax(S[t, prev] / temperature, -1)[i])
+            prev = i
+        law[tuple(int(cand[0, t, i]) for t, i in enumerate(idx))] = prob
+    reported = q.gather(-1, path[..., None]).squeeze(-1).double().prod(-1)  # q of each row's own path
+    torch.testing.assert_close(reported, torch.tensor([law[tuple(p)] for p in path.tolist()], dtype=torch.float64),
+                               atol=1e-5, rtol=1e-4)
+    found, counts = torch.unique(path, dim=0, return_counts=True)
+    empirical = {tuple(p): c / reps for p, c in zip(found.tolist(), counts.tolist())}
+    tv = 0.5 * sum(abs(empirical.get(k, 0.0) - law.get(k, 0.0)) for k in law.keys() | empirical.keys())
+    bound = 0.5 * sum((p / reps) ** 0.5 for p in law.values()) + (30 / (2 * reps)) ** 0.5
+    assert tv < bound, (tv, bound)
 
 
 def test_sampled_walk_frequencies_follow_softmax():

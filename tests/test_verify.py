@@ -1,8 +1,10 @@
 """Verification math (SPEC §5): greedy is exact, sampling preserves the target distribution.
 
-The sampled case is checked twice: by exact enumeration over a tiny vocabulary (built from the
-same acceptance and residual helpers verify_sampled uses) and by Monte Carlo on verify_sampled
-itself. Two broken verifiers are planted to show both checks fail when the math is wrong.
+The sampled case is checked three ways over a tiny vocabulary, at temperatures other than 1 with
+top-k and top-p: by exact enumeration built from the acceptance and residual helpers verify_sampled
+uses; by an exact, sampling-free enumeration of verify_sampled itself (every cell of its uniforms,
+cells from the definition); and by Monte Carlo on verify_sampled. Broken verifiers are planted to
+show the checks fail when the math is wrong.
 """
 
 import itertools
@@ -10,7 +12,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from dflash2 import spec_decode as sd
@@ -100,6 +102,54 @@ def max_error_against_target(law, P, vocab, n):
     return worst
 
 
+def verify_sampled_law(P, Q, vocab, n):
+    """{emitted tokens: probability} of the real verify_sampled, exactly, with no sampling.
+
+    verify_sampled is a deterministic function of its uniforms that is constant on cells: each
+    u_accept[i] below or above alpha_i = min(1, P_{i-1}(d_i) / q_i(d_i)), and u_emit inside one token's
+    interval of the inverse CDF of what the definition emits from (normalize(max(P_a - q_{a+1}, 0)) at
+    the first rejection a, P_n when all pass). One batched call at the midpoint of every cell of every
+    draft chain, each outcome weighted by the chain's and the cell's probability, is the exact law
+    when the code follows the definition; a code that departs from it (another threshold, residual
+    or row) answers differently at some midpoint. The cells come from the formulas above, not sd's helpers.
+    """
+    index = {prefix: row for row, prefix in enumerate(all_prefixes(vocab, n))}
+    p, q = P.tolist(), Q.tolist()
+    cases = []  # (probability, drafts, u_accept, u_emit)
+    for chain in itertools.product(range(vocab), repeat=n):
+        rows = [index[chain[:i]] for i in range(n + 1)]
+        reach = math.prod(q[rows[i]][chain[i]] for i in range(n))
+        if reach == 0:
+            continue
+        alpha = [min(1.0, p[rows[i]][chain[i]] / q[rows[i]][chain[i]]) for i in range(n)]
+        for passes in itertools.product((True, False), repeat=n):
+            cell = math.prod(a if ok else 1 - a for a, ok in zip(alpha, passes))
+            if cell == 0:
+                continue
+            u_accept = [a / 2 if ok else (1 + a) / 2 for a, ok in zip(alpha, passes)]
+            stop = passes.index(False) if False in passes else n
+            emit = p[rows[stop]]
+            if stop < n:
+                residual = [max(x - y, 0.0) for x, y in zip(p[rows[stop]], q[rows[stop]])]
+                emit = residual if sum(residual) > 0 else emit
+            total, below = sum(emit), 0.0
+            for r in emit:
+                if r > 0:
+                    cases.append((reach * cell * r / total, chain, u_accept, (below + r / 2) / total))
+                below += r
+    probs, drafts, u_accept, u_emit = zip(*cases)
+    drafts = torch.tensor(drafts).view(len(cases), n)
+    where = prefix_rows(drafts, vocab)
+    u_accept = torch.tensor(u_accept, dtype=torch.float64).view(len(cases), n)
+    num_accepted, out = sd.verify_sampled(drafts, Q[where[:, :n]], P[where], u_accept,
+                                          torch.tensor(u_emit, dtype=torch.float64))
+    assert ((out >= 0) == (torch.arange(n + 1) <= num_accepted[:, None])).all()
+    law = {}
+    for prob, a, row in zip(probs, num_accepted.tolist(), out.tolist()):
+        law[tuple(row[: a + 1])] = law.get(tuple(row[: a + 1]), 0.0) + prob
+    return law
+
+
 def sampled_block(P, Q, vocab, n, rows, gen):
     """Draw `rows` draft chains d_i ~ q(. | d_<i) and run the real verify_sampled on them (float32)."""
     drafts = torch.zeros(rows, 0, dtype=torch.long)
@@ -176,7 +226,38 @@ def test_sampling_preserves_target_distribution(cfg):
     assert max_error_against_target(law, P, vocab, n) < 1e-9
 
 
+# Fixed cases run on every run, whatever Hypothesis draws: temperatures other than 1 with top-k and
+# top-p together, and three drafts, so the residual after an accepted prefix is reached.
+HARD_CASES = [
+    dict(vocab=4, n=3, temperature=0.5, top_k=3, top_p=0.9, walk="sampled", support=3, seed=5),
+    dict(vocab=5, n=3, temperature=1.7, top_k=4, top_p=0.8, walk="sampled", support=4, seed=8),
+    dict(vocab=4, n=3, temperature=0.4, top_k=3, top_p=0.95, walk="greedy", support=1, seed=2),
+]
+
+
+def with_examples(cases):
+    def decorate(test):
+        for case in reversed(cases):
+            test = example(case)(test)
+        return test
+
+    return decorate
+
+
+@settings(FAST, max_examples=60)
+@with_examples(HARD_CASES)
+@given(toy_settings)
+def test_verify_sampled_follows_the_definition_exactly(cfg):
+    """The real verify_sampled, enumerated over every cell of its uniforms (no sampling), emits the target's law."""
+    P, Q, _ = build_toy(cfg)
+    vocab, n = cfg["vocab"], cfg["n"]
+    law = verify_sampled_law(P, Q, vocab, n)
+    assert abs(sum(law.values()) - 1) < 1e-12
+    assert max_error_against_target(law, P, vocab, n) < 1e-9
+
+
 @settings(FAST, max_examples=6)
+@with_examples(HARD_CASES[:1])
 @given(toy_settings)
 def test_verify_sampled_matches_exact_law(cfg):
     P, Q, gen = build_toy(cfg)
@@ -334,6 +415,46 @@ def test_nucleus_with_ties_is_exact_and_order_free(rows, vocab, spread, top_p, t
         want, margin = brute_force_process_logits(row, 1.0, 0, top_p)
         assume(margin > 1e-9)
         assert k == [w > 0 for w in want]
+
+
+def test_nucleus_boundary_at_exactly_top_p_is_left_out():
+    """P = [1/2, 1/4, 1/4] with top_p = 1/2: the mass before the second token is exactly top_p, not < top_p."""
+    for dtype in (torch.float32, torch.float64):
+        assert sd.process_logits(torch.tensor([math.log(2), 0.0, 0.0], dtype=dtype), 1.0, 0, 0.5).tolist() == [1, 0, 0]
+        assert sd.process_logits(torch.tensor([math.log(2), 0.0, 0.0], dtype=dtype), 1.0, 0, 0.5001).tolist() == [
+            0.5, 0.25, 0.25]
+
+
+@settings(FAST, max_examples=60)
+@given(
+    counts=st.lists(st.integers(0, 9), min_size=1, max_size=12).filter(sum),
+    cut=st.integers(0, 12),
+    tiers=st.lists(st.integers(1, 12), max_size=2).map(lambda t: tuple(sorted(t))),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_nucleus_boundary_ties_are_exact(counts, cut, tiers, dtype, seed):
+    """Probabilities k / 2^m (every partial sum exact in floating point) and top_p equal to the mass of
+    the first `cut` sorted tokens, so the boundary is met exactly: the kept set must be the definition's,
+    in exact arithmetic (mass before < top_p, then the ties of the last token taken)."""
+    from fractions import Fraction
+
+    total = 1 << (sum(counts) - 1).bit_length()
+    counts = counts + [total - sum(counts)] if total > sum(counts) else counts
+    counts = [counts[i] for i in torch.randperm(len(counts), generator=torch.Generator().manual_seed(seed)).tolist()]
+    ordered = sorted(counts, reverse=True)
+    top_p = Fraction(sum(ordered[: max(1, min(cut, len(counts) - 1))]), total)
+    assume(0 < top_p < 1)
+    kept, mass = [], Fraction(0)
+    for c in ordered:
+        if mass >= top_p:
+            break
+        kept.append(c)
+        mass += Fraction(c, total)
+    want = [c >= kept[-1] for c in counts]
+    probs = torch.tensor(counts, dtype=dtype) / total
+    got = (probs >= sd.nucleus_cutoff(probs[None], float(top_p), tiers=tiers)[0]).tolist()
+    assert got == want
 
 
 def test_nucleus_tiers_match_the_full_sort_on_a_real_vocabulary():
