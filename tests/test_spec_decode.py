@@ -384,14 +384,31 @@ def _sharp_pair():
     return model, sd.Target(model, drafter.config.target_layer_ids), drafter
 
 
-def test_sampling_loop_keeps_the_law_of_several_steps_at_low_temperature():
+def _fitted_pair():
+    """The same vocab-12 target and a drafter fitted briefly with the real training loss (make_golden.fit):
+    drafts are often accepted, so the residual after an accepted prefix is drawn often."""
+    import make_golden
+
+    model = tiny_target("llama", vocab=12, seed=3)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.5)
+    model.requires_grad_(False)
+    drafter = make_golden.fit(model, tiny_drafter(model, block_size=4, top_k=3), steps=150)
+    return model, sd.Target(model, drafter.config.target_layer_ids), drafter
+
+
+@pytest.mark.parametrize("make_pair, min_accepted", [(_sharp_pair, 0.0), (_fitted_pair, 0.2)])
+def test_sampling_loop_keeps_the_law_of_several_steps_at_low_temperature(make_pair, min_accepted):
     """Monte Carlo through the real loop at T = 0.3 with top-k and top-p together: the law of four
     tokens, made by the prefill and then several verification steps of two drafts each (so the
-    residual after an accepted prefix and the anchors that follow a residual draw are in it)."""
-    model, target, drafter = _sharp_pair()
+    residual after an accepted prefix and the anchors that follow a residual draw are in it).
+    The sharp random drafter is where a walk drawing at the wrong temperature shows most; the fitted
+    one is where a wrong residual after an accepted prefix does."""
+    model, target, drafter = make_pair()
     results = []
     tv, bound = _loop_tv(model, target, drafter, "dflash2", rows=30000, n=4, temperature=0.3, top_k=3,
                          top_p=0.9, block_size=3, results_out=results)
     assert tv < bound, (tv, bound)
     steps = [len(r.accepted) for r in results]
-    assert sum(steps) / len(steps) > 2 and min(steps) >= 1 and any(a >= 1 for r in results for a in r.accepted)
+    assert sum(steps) / len(steps) > 2 and min(steps) >= 1
+    assert sum(sum(r.accepted) for r in results) / sum(steps) > min_accepted
