@@ -363,6 +363,12 @@ def draft(drafter, target, ctx, anchor, pos, ctx_len, block_size, sizes=None):
     return h, drafter.draft_logits(h, target.lm_head_as(dtype))
 
 
+def block_sizes(end, pos, block_size):
+    """Each row's block this step, min(B, end - pos): its anchor plus at most the tokens it may still
+    make (the authors' verify_size); end [b] is the position after a row's last allowed token."""
+    return (end - pos).clamp(1, block_size)
+
+
 def select_path(selector, h, U, anchor, method, temperature, generator, with_candidates=True):
     """dflash2: top-K candidates C_t, edge scores S_t(a, b), left-to-right walk (SPEC §4).
     dflash: d_t = argmax U_t (or an independent sample per slot).
@@ -605,7 +611,7 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
         if static:  # a handful of shapes, each compiled once; the extra slots are masked out
             view_len = ctx_len = min(-(-view_len // VIEW_BUCKET) * VIEW_BUCKET, max_len)
         cands = None
-        sizes = (end - pos).clamp(1, B)  # this step's block per row: anchor + what is left of the budget
+        sizes = block_sizes(end, pos, B)
         num_drafts = None if B == 1 else sizes - 1
         timer()
         if B == 1:
