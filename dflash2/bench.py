@@ -224,7 +224,7 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
 
 PEERS = ("hf", "hf-pld", "zlab")
 # Prompt lookup's settings: the best of the sweep in docs/BENCHMARKS.md (--pld-sweep).
-PLD_NUM_TOKENS, PLD_NGRAM = 10, 2
+PLD_NUM_TOKENS, PLD_NGRAM = 5, 2
 ZLAB_INSTALL = "pip install dflash==0.1.0 --no-deps"
 
 
@@ -549,6 +549,7 @@ def pld_sweep(model, prompts, args, stop_ids):
     """--pld-sweep: hf-pld at each (prompt_lookup_num_tokens, max_matching_ngram_size), every setting in turn on
     each task at concurrency 1; prints tok/s and tau per task, the mean tok/s, and writes the rows to --out."""
     rows = []
+    run_peer(model, "hf-pld", [next(iter(prompts.values()))[0]], args, stop_ids, "warm-up", max_new_tokens=8)
     for task in args.tasks:
         for n, g in args.pld_sweep:
             args.pld_num_tokens, args.pld_ngram = n, g
