@@ -116,8 +116,8 @@ class DFlash2Config:
         """Read a Qwen3-style config.json dict as the authors' DFlash2DraftModel does (through
         transformers' Qwen3Config); dflash keys from `dflash_config` (or top level in older files).
 
-        Absent keys take Qwen3Config's defaults (head_dim 128, kv heads = heads, sliding_window 4096,
-        max_window_layers 28) and the authors' (block_size 16, target_layer_ids spread over the
+        Absent keys take Qwen3Config's defaults (head_dim 128, num_key_value_heads 32 (null: = heads),
+        sliding_window 4096, max_window_layers 28) and the authors' (block_size 16, target_layer_ids spread over the
         target); absent or null `is_causal` makes sliding layers causal (layer_causal).
         """
         dflash = d.get("dflash_config") or {}
@@ -128,7 +128,8 @@ class DFlash2Config:
         kwargs["is_causal"] = d.get("is_causal")
         kwargs.setdefault("block_size", 16)
         kwargs.setdefault("head_dim", 128)
-        if kwargs.get("num_key_value_heads") is None and "num_attention_heads" in kwargs:
+        kwargs.setdefault("num_key_value_heads", 32)  # Qwen3Config's class default; null means "= heads"
+        if kwargs["num_key_value_heads"] is None and "num_attention_heads" in kwargs:
             kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
         if "target_layer_ids" not in kwargs and {"num_target_layers", "num_hidden_layers"} <= kwargs.keys():
             kwargs["target_layer_ids"] = spread_target_layer_ids(kwargs["num_target_layers"], kwargs["num_hidden_layers"])

@@ -74,6 +74,13 @@ def published_config(draw):
         if draw(st.booleans()):
             dflash[key] = draw(values)
     d["dflash_config"] = dflash
+    # keys that may be absent: Qwen3Config's defaults (head_dim 128, window 4096) and the authors' (block 16,
+    # taps spread over the target) apply; null kv heads means "= heads" (absent would be Qwen3Config's 32)
+    for keys, key in ((d, "head_dim"), (d, "sliding_window"), (dflash, "block_size"), (dflash, "target_layer_ids")):
+        if key in keys and draw(st.integers(0, 4)) == 0:
+            del keys[key]
+    if d["num_key_value_heads"] == d["num_attention_heads"] and draw(st.booleans()):
+        d["num_key_value_heads"] = None
     return d
 
 
@@ -109,8 +116,23 @@ def scatter_q(q_rows, candidates):
     return torch.zeros(*candidates.shape[:2], V, dtype=q_rows.dtype).scatter(-1, candidates, q_rows)
 
 
+@settings(max_examples=100, deadline=None)
+@given(config_dict=published_config())
+def test_config_is_read_as_qwen3config_reads_it(config_dict):
+    """Layer types, windows and the defaults of absent keys as transformers' Qwen3Config derives them
+    (the authors' model reads its config through it); runs without dflash."""
+    from transformers import Qwen3Config
+
+    ours, qwen3 = DFlash2Config.from_dict(config_dict), Qwen3Config.from_dict(config_dict)
+    assert ours.layer_types == qwen3.layer_types
+    assert [ours.layer_window(i) for i in range(ours.num_hidden_layers)] == [
+        qwen3.sliding_window if t == "sliding_attention" else None for t in qwen3.layer_types]
+    assert (ours.head_dim, ours.num_key_value_heads, ours.rms_norm_eps, ours.rope_theta) == (
+        qwen3.head_dim, qwen3.num_key_value_heads, qwen3.rms_norm_eps, qwen3.rope_parameters["rope_theta"])
+
+
 @needs_dflash
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(config_dict=published_config(), seed=st.integers(0, 2**16), ctx_len=st.integers(1, 20),
        prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=8), max_new_tokens=st.integers(1, 40),
        stop=st.one_of(st.none(), st.integers(0, V - 1)), temperature=st.sampled_from([0.5, 1.0, 2.0]))
