@@ -40,7 +40,11 @@ SOURCES = {
     "mt-bench": ("mt_bench/question.jsonl", ("HuggingFaceH4/mt_bench_prompts", None, "train"),
                  lambda r: (r.get("turns") or r["prompt"])[0]),
 }
-TASKS = tuple(SOURCES)
+TASKS = tuple(SOURCES)  # the five tasks of the model card, the default
+# Prompt sets shipped with the package, one prompt per line; not in the default --tasks, named explicitly.
+# chat-heldout: 100 hand-written chat prompts no training source reads (dflash2/heldout/README.md).
+PACKAGED = {"chat-heldout": "heldout/chat.txt"}
+ALL_TASKS = TASKS + tuple(PACKAGED)
 
 
 def _read_rows(path):
@@ -67,6 +71,10 @@ def load_tasks(tasks, data_dir, num_prompts):
     """{task: the first num_prompts prompt texts}, from data_dir (../shared/data layout) or the hub."""
     out = {}
     for task in tasks:
+        if task in PACKAGED:
+            lines = (Path(__file__).parent / PACKAGED[task]).read_text(encoding="utf-8").splitlines()
+            out[task] = [line for line in lines if line.strip()][:num_prompts]
+            continue
         path = Path(data_dir) / SOURCES[task][0]
         rows = _read_rows(path) if path.is_file() else _hub_rows(task)
         if task == "mbpp":  # test split only; the rest may train drafters
@@ -81,7 +89,7 @@ def format_prompt(task, text):
         return text + GSM8K_SUFFIX
     if task == "humaneval":
         return HUMANEVAL_WRAP.format(prompt=text)
-    return text  # mbpp: the problem text as is; mt-bench: the first turn
+    return text  # mbpp: the problem text as is; mt-bench: the first turn; chat-heldout: the line as typed
 
 
 # Random-weight pairs of realistic shapes, to time steps where no checkpoint is at hand (the GPU check
@@ -585,7 +593,8 @@ def main(argv=None):
     ap.add_argument("--target", default=None, help="target dir or hub id (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="drafter checkpoint dir or hub id")
     ap.add_argument("--data-dir", default="../shared/data", help="local data (else the hub via `datasets`)")
-    ap.add_argument("--tasks", type=_names(TASKS), default=list(TASKS))
+    ap.add_argument("--tasks", type=_names(ALL_TASKS), default=list(TASKS),
+                    help=f"comma-separated, of {','.join(ALL_TASKS)} (default: the five tasks of the model card)")
     ap.add_argument("--methods", type=_names(METHODS + PEERS), default=["ar", "dflash", "dflash2"],
                     help="ours (ar, dflash, dflash2) and peers on the same target object: hf (transformers "
                          "generate), hf-pld (its prompt lookup decoding), zlab (the authors' dflash_generate, "

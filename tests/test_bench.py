@@ -66,6 +66,15 @@ def test_load_tasks_takes_the_test_split_and_first_turns(tmp_path):
     assert len(texts["gsm8k"]) == 3
 
 
+def test_heldout_chat_set_ships_with_the_package_and_is_read_as_typed(tmp_path):
+    texts = bench.load_tasks(["chat-heldout"], tmp_path / "no data needed", 1000)["chat-heldout"]
+    assert len(texts) >= 100 and len(set(texts)) == len(texts) and all(t == t.strip() and t for t in texts)
+    assert bench.format_prompt("chat-heldout", texts[0]) == texts[0]
+    assert "chat-heldout" not in bench.TASKS  # named explicitly, never in the five-task default
+    with pytest.raises(SystemExit):
+        bench.main(["--tasks", "gsm8k,nonsense"])
+
+
 def test_missing_data_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if `datasets` were not installed
     with pytest.raises(SystemExit, match="no local copy.*datasets"):

@@ -190,7 +190,10 @@ def test_training_prompts_never_contain_evaluation_text():
     mbpp = json.loads((root / "mbpp" / "sanitized-mbpp.json").read_text())
     evals += [r[k] for r in mbpp if 11 <= r["task_id"] <= 510 for k in ("prompt", "code")]
     evals += [json.loads(line)["turns"][0] for line in open(root / "mt_bench" / "question.jsonl")]
-    assert len(evals) > 1400
+    heldout = (Path(train.__file__).parent / "heldout" / "chat.txt").read_text().splitlines()
+    assert len([h for h in heldout if h.strip()]) >= 100
+    evals += [h for h in heldout if h.strip()]  # our own held-out chat set (bench --tasks chat-heldout)
+    assert len(evals) > 1500
     leaked = [e[:60] for e in evals if e.strip()[:80] in blob]
     assert not leaked
     # the default sources are the stage 1-2 set, and unknown sources are refused
