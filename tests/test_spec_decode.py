@@ -86,7 +86,9 @@ def test_every_acceptance_length_is_exact(arch, data, block_size, batch):
     prompts = data.draw(st.lists(st.lists(st.integers(0, vocab - 2), min_size=1, max_size=10),
                                  min_size=batch, max_size=batch))
     patterns = [data.draw(st.permutations(range(block_size))) for _ in range(batch)]
-    n = 4 * block_size * block_size  # long enough that every pattern entry is used
+    # Long enough that every pattern entry is used before the last step: the first B steps emit
+    # 1 + 2 + ... + B tokens after the prefill's one, and a further B + 1 leave at least one step after.
+    n = block_size * (block_size + 1) // 2 + block_size + 2
     refs, margins = zip(*(greedy_with_margins(model, p, n + block_size) for p in prompts))
     # A float32 argmax whose top two logits lie within rounding (one seen: 2.4e-7 apart) is not a
     # property of the loop: the cached and uncached forwards may round it either way.
