@@ -3,7 +3,7 @@
     python -m dflash2.train data  --data-dir ../shared/data --out runs/smollm2      # target writes its own responses
     python -m dflash2.train train --out runs/smollm2 --steps 2000                   # fit the drafter on them
 
-Data: the target answers training prompts greedily; we keep the token ids and the
+Data: the target answers training prompts, greedily or sampled (`data --temperature`); we keep the token ids and the
 target's tapped hidden states (the drafter's context features), so training never
 runs the target again. Loss (SPEC §6): position-decayed cross-entropy over the draft
 slots plus the selector's cross-entropy over its K candidates. The prompts come from
@@ -22,14 +22,20 @@ from tqdm import tqdm
 
 from .model import DFlash2Config, DFlash2Drafter, load_target, stop_token_ids
 from .prompts import PROMPT_SOURCES, chat_ids, training_prompts
+from .settings import check_sampling_params
+from .spec_decode import process_logits
 
 # --------------------------------------------------------------------------- data
 
 @torch.no_grad()
 def generate_with_features(model, prompts: list[list[int]], taps: list[int], max_new_tokens: int,
-                           stop_ids: set[int], pad_id: int):
-    """Greedy batched generation (left padded) that also returns the tapped hidden states of every
-    token fed to the target: features[i] is [len_i - 1, n*H] for sequence i (the last token is never fed)."""
+                           stop_ids: set[int], pad_id: int, temperature: float = 0.0, top_p: float = 1.0,
+                           generator: torch.Generator | None = None):
+    """Batched generation (left padded) that also returns the tapped hidden states of every token fed
+    to the target: features[i] is [len_i - 1, n*H] for sequence i (the last token is never fed).
+
+    Greedy at temperature 0; else each token is drawn from spec_decode.process_logits (temperature,
+    top-p), the law users sample from, so the drafter also learns the target's sampled continuations."""
     from transformers import DynamicCache
     b = len(prompts)
     width = max(len(p) for p in prompts)
@@ -47,7 +53,11 @@ def generate_with_features(model, prompts: list[list[int]], taps: list[int], max
         out = model(input_ids=inp, attention_mask=mask, position_ids=pos, cache=cache,
                     use_cache=True, output_hidden_states=True)
         tapped = torch.cat([out.hidden_states[l + 1] for l in taps], dim=-1).to(torch.bfloat16)
-        nxt = out.logits[:, -1].argmax(-1)
+        if temperature > 0:
+            probs = process_logits(out.logits[:, -1].float(), temperature, top_p=top_p)
+            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        else:
+            nxt = out.logits[:, -1].argmax(-1)
         for i in range(b):
             if done[i]:
                 continue
@@ -65,6 +75,7 @@ def generate_with_features(model, prompts: list[list[int]], taps: list[int], max
 
 
 def make_data(args):
+    check_sampling_params(args.temperature, args.top_p, 0)  # before the target loads
     model, tok = load_target(args.target, dtype=getattr(torch, args.dtype))
     taps = [int(t) for t in args.taps.split(",")]
     out = Path(args.out) / "data"
@@ -79,7 +90,8 @@ def make_data(args):
         prompts, encoded = [prompts[i] for i in keep], [encoded[i] for i in keep]
     prompts, encoded = prompts[: args.max_prompts], encoded[: args.max_prompts]
     stop = set(stop_token_ids(model, tok))
-    meta = {"target": args.target, "taps": taps, "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts)}
+    meta = {"target": args.target, "taps": taps, "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
+            "temperature": args.temperature, "top_p": args.top_p}
     (out / "meta.json").write_text(json.dumps(meta))
     shards = [list(range(i, min(i + args.batch_size, len(encoded)))) for i in range(0, len(encoded), args.batch_size)]
     torch.set_num_threads(args.threads)
@@ -88,7 +100,9 @@ def make_data(args):
         if path.exists():
             continue  # resumable
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        rows = generate_with_features(model, [encoded[i] for i in idx], taps, args.max_new_tokens, stop, pad)
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + k)  # per shard, so a resumed run draws alike
+        rows = generate_with_features(model, [encoded[i] for i in idx], taps, args.max_new_tokens, stop, pad,
+                                      temperature=args.temperature, top_p=args.top_p, generator=gen)
         torch.save({"ids": [r[0] for r in rows], "features": [r[1] for r in rows],
                     "prompt_lens": [len(encoded[i]) for i in idx]}, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)
@@ -359,6 +373,9 @@ def main():
     d.add_argument("--threads", type=int, default=2)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", default="bfloat16", help="target dtype for generation (bf16 is ~2x faster on CPU)")
+    d.add_argument("--temperature", type=float, default=0.0,
+                   help="0: the target's greedy responses; > 0: sampled ones (e.g. 0.7 or 1.0, as users sample)")
+    d.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampled responses (the card uses 0.95)")
     t = sub.add_parser("train", help="fit a drafter on the self-distilled data")
     t.add_argument("--out", default="runs/smollm2", help="directory holding data/ (from `dflash2.train data`)")
     t.add_argument("--steps", type=int, default=2000)

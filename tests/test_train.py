@@ -45,6 +45,35 @@ def test_features_are_the_targets_hidden_states(tmp_path):
     assert torch.allclose(feats.float(), ref, atol=0.05 * ref.abs().max().item())  # stored in bf16
 
 
+def test_sampled_responses_follow_the_nucleus_and_keep_their_features():
+    """data --temperature: every drawn token lies in the target's nucleus at its prefix, the features
+    are the hidden states of the sampled sequence, a seed replays the draw, and a nucleus of one token
+    is greedy decoding."""
+    from dflash2.spec_decode import process_logits
+
+    model = tiny_target("llama", vocab=64, hidden=32, layers=3)
+    prompts = [[1, 5, 9, 2], [3, 4], [7, 7, 7, 8, 1]]
+
+    def sample(seed, top_p):
+        return train.generate_with_features(model, prompts, [0, 2], 16, stop_ids=set(), pad_id=0, temperature=1.0,
+                                            top_p=top_p, generator=torch.Generator().manual_seed(seed))
+
+    greedy = train.generate_with_features(model, prompts, [0, 2], 16, stop_ids=set(), pad_id=0)
+    rows = sample(0, 0.9)
+    assert [r[0].tolist() for r in rows] == [r[0].tolist() for r in sample(0, 0.9)]
+    assert [r[0].tolist() for r in rows] != [r[0].tolist() for r in greedy]  # it does sample
+    assert [r[0].tolist() for r in sample(1, 1e-6)] == [r[0].tolist() for r in greedy]
+    with torch.no_grad():
+        for p, (ids, feats) in zip(prompts, rows):
+            out = model(ids[None, :-1], output_hidden_states=True)
+            law = process_logits(out.logits[0].float(), 1.0, top_p=0.9)
+            drawn = ids[1:]
+            assert (law[len(p) - 1:].gather(1, drawn[len(p) - 1:, None]) > 0).all()
+            ref = torch.cat([out.hidden_states[1], out.hidden_states[3]], -1)[0]
+            assert feats.shape == ref.shape
+            assert torch.allclose(feats.float(), ref, atol=0.05 * ref.abs().max().item())
+
+
 def test_loss_matches_direct_computation(tmp_path):
     """Weights, masks and block isolation, checked block by block against the inference path."""
     model, rows, args = _tiny_setup(tmp_path)
