@@ -233,7 +233,7 @@ def test_training_prompts_never_contain_evaluation_text():
 
 
 def test_seen_prompts_reads_every_answered_prompt(tmp_path):
-    """`train.py data --exclude DIR` skips prompts already answered in DIR: the set holds exactly the
+    """`python -m dflash2.train data --exclude DIR` skips prompts already answered in DIR: the set holds exactly the
     prompt ids of every stored sequence (not the responses), and an empty folder is an error."""
     import pytest
 
