@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -75,7 +76,11 @@ def generate_with_features(model, prompts: list[list[int]], taps: list[int], max
 
 
 def make_data(args):
-    check_sampling_params(args.temperature, args.top_p, 0)  # before the target loads
+    try:  # before the target loads
+        check_sampling_params(args.temperature, args.top_p, 0)
+    except ValueError as e:  # a usage error: exit 2, as argparse's
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     model, tok = load_target(args.target, dtype=getattr(torch, args.dtype))
     taps = [int(t) for t in args.taps.split(",")]
     out = Path(args.out) / "data"

@@ -74,6 +74,16 @@ def test_sampled_responses_follow_the_nucleus_and_keep_their_features():
             assert torch.allclose(feats.float(), ref, atol=0.05 * ref.abs().max().item())
 
 
+def test_bad_sampling_settings_for_data_are_usage_errors(monkeypatch, capsys):
+    import pytest
+
+    for flags, name in ((["--temperature", "-1"], "temperature"), (["--top-p", "0"], "top_p")):
+        monkeypatch.setattr("sys.argv", ["dflash2-train", "data", *flags])
+        with pytest.raises(SystemExit) as e:
+            train.main()  # refused before any target loads
+        assert e.value.code == 2 and name in capsys.readouterr().err
+
+
 def test_loss_matches_direct_computation(tmp_path):
     """Weights, masks and block isolation, checked block by block against the inference path."""
     model, rows, args = _tiny_setup(tmp_path)
