@@ -1,4 +1,7 @@
 """Tiny random targets of the three architecture families the loop must serve, plus a matching drafter."""
+import os
+from pathlib import Path
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM
 from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
@@ -7,6 +10,8 @@ from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VL
 from dflash2.model import DFlash2Drafter, tiny_glm_config
 
 ARCHS = ("llama", "minimax_m2", "minimax_m3")
+# The benchmark data (the ../shared/data layout), for the tests that read it; an absolute value replaces the root.
+DATA_DIR = Path(__file__).resolve().parents[1] / os.environ.get("DFLASH2_DATA_DIR", "../shared/data")
 
 
 def tiny_target(arch, vocab=64, hidden=32, layers=3, seed=0, dtype=torch.float32):

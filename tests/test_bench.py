@@ -2,18 +2,14 @@
 import gzip
 import importlib.util
 import json
-import os
 import sys
-from pathlib import Path
 
 import pytest
 
 from dflash2 import bench
-from targets import tiny_drafter, tiny_target
+from targets import DATA_DIR, tiny_drafter, tiny_target
 from tiny_tokenizer import tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA_DIR = ROOT / os.environ.get("DFLASH2_DATA_DIR", "../shared/data")  # an absolute value replaces ROOT
 needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"benchmark data not found at {DATA_DIR} "
                                 "(set DFLASH2_DATA_DIR to a copy of the ../shared/data layout)")
 

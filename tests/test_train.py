@@ -2,7 +2,6 @@
 import argparse
 import json
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -218,7 +217,8 @@ def test_training_prompts_never_contain_evaluation_text():
 
     import pytest
 
-    root = Path(__file__).resolve().parents[1] / os.environ.get("DFLASH2_DATA_DIR", "../shared/data")
+    from targets import DATA_DIR as root
+
     if not root.is_dir():  # as tests/test_bench.py's needs_data
         pytest.skip(f"benchmark data not found at {root} (set DFLASH2_DATA_DIR to a copy of the ../shared/data layout)")
     prompts = train.training_prompts(str(root), sources=train.PROMPT_SOURCES, seed=0, num_math=300, num_talk=300)
