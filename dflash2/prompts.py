@@ -5,8 +5,10 @@ has the target answer these prompts. The synthetic sets (templates, word lists, 
 tasks) are written here, not taken from any benchmark; no evaluation set is read (tests/test_train.py
 checks every source against them). The same sources and seed give the same prompts in the same order.
 """
+import inspect
 import json
 import random
+import re
 from pathlib import Path
 
 # the model card's prompt formats (SPEC §8), shared with bench.py
@@ -1141,14 +1143,174 @@ def _talk2_prompts(n: int, rng: random.Random) -> list[str]:
     return _unique(lambda: pick(pick(categories))(), n)
 
 
-PROMPT_SOURCES = ("gsm8k", "mbpp", "chat", "math", "code", "talk", "code2", "talk2")
+# Modules of Python's standard library whose docstrings `docs` turns into requests: the documentation of
+# installed code, as users paste it to an assistant. Read from the running interpreter, so no text is stored here.
+DOC_MODULES = ("argparse", "bisect", "base64", "calendar", "collections", "contextlib", "copy", "csv", "dataclasses",
+               "datetime", "decimal", "difflib", "enum", "fnmatch", "fractions", "functools", "glob", "gzip",
+               "hashlib", "heapq", "html", "io", "ipaddress", "itertools", "json", "logging", "math", "operator",
+               "os", "os.path", "pathlib", "pickle", "pprint", "queue", "random", "re", "secrets", "shlex",
+               "shutil", "socket", "sqlite3", "statistics", "string", "struct", "subprocess", "tempfile",
+               "textwrap", "threading", "time", "typing", "unicodedata", "urllib.parse", "uuid", "zipfile", "zlib")
+
+_DOC_ASKS = (  # {name}: the documented object, {doc}: its docstring (first paragraphs), {other}: a sibling
+    "Explain in plain words what `{name}` does, with a short example.\n\n{doc}",
+    "Summarize this Python documentation in two or three sentences:\n\n{doc}",
+    "Rewrite this documentation so that a beginner can follow it:\n\n{doc}",
+    "Here is the documentation of `{name}`:\n\n{doc}\n\nWrite a small program that uses it.",
+    "Turn this documentation of `{name}` into a bulleted list of the key points:\n\n{doc}",
+    "What does `{name}` in Python do, and when would I use it?",
+    "What is the difference between `{name}` and `{other}`?",
+    "Give three common mistakes people make when using `{name}`, and how to avoid them.",
+    "I read this in the Python docs and don't understand it. Can you help?\n\n{doc}",
+    "Write a function that uses `{name}` to solve a practical problem, and explain each line.",
+    "Write unit tests that show how `{name}` behaves, based on its documentation:\n\n{doc}",
+    "Is `{name}` the right tool for parsing user input? Explain when it is and when it isn't.",
+)
+
+
+def _documented_names() -> list[tuple[str, str]]:
+    """(qualified name, docstring) of the public functions and classes of DOC_MODULES, in a fixed order."""
+    import importlib
+    import warnings
+
+    out = []
+    for mod_name in DOC_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:  # a trimmed interpreter may lack one (sqlite3, ...)
+            continue
+        for attr in sorted(vars(mod)):
+            with warnings.catch_warnings():  # typing.io and the like warn when touched
+                warnings.simplefilter("ignore", DeprecationWarning)
+                obj = getattr(mod, attr)
+                doc = inspect.getdoc(obj) or ""
+            if attr.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+                continue
+            if getattr(obj, "__module__", mod_name) not in (mod_name, None) and not mod_name.startswith("os"):
+                continue  # re-exported from elsewhere
+            if len(doc) < 60:
+                continue
+            paras = doc.split("\n\n")
+            text = paras[0]
+            for para in paras[1:]:
+                if len(text) + len(para) > 700:
+                    break
+                text += "\n\n" + para
+            out.append((f"{mod_name}.{attr}", text[:900]))
+    return out
+
+
+def _docs_prompts(n: int, rng: random.Random) -> list[str]:
+    """Requests about the documentation of installed code: explain, summarize, rewrite, use this API."""
+    named = _documented_names()
+    if not named:
+        return []
+
+    def make():
+        name, doc = rng.choice(named)
+        mod = name.rsplit(".", 1)[0]
+        siblings = [m for m, _ in named if m.rsplit(".", 1)[0] == mod and m != name] or [m for m, _ in named]
+        return rng.choice(_DOC_ASKS).format(name=name, doc=doc, other=rng.choice(siblings))
+    return _unique(make, n)
+
+
+# Follow-up turns for multi-turn prompts (`python -m dflash2.train prompts --kind multi-turn`).
+FOLLOW_UPS = (
+    "Can you make that shorter?", "Give me a concrete example.", "Explain that like I'm ten years old.",
+    "Why is that?", "What are the downsides?", "Can you put that in a table?", "Now say it as a short poem.",
+    "Can you turn that into a checklist?", "What would an expert add to this?", "Which part is the most important?",
+    "Can you write that more formally?", "Make it friendlier, please.", "What's a common misconception about this?",
+    "How would I explain this to my manager in two sentences?", "Can you give me three alternatives?",
+    "What should I do first?", "Is there anything wrong in your answer? Check it.", "Summarize that in one line.",
+    "Can you add a short code example?", "What questions should I ask next?", "Rewrite it as a numbered list.",
+    "How long would that take, roughly?", "What if I only had half the budget?", "Thanks! One more thing: why does it matter?",
+)
+
+# Topics and request kinds the target writes its own questions from (`prompts --kind self-instruct`).
+SELF_INSTRUCT_TOPICS = (
+    "cooking dinner on a budget", "baking bread", "vegetable gardening", "houseplants", "keeping a dog", "cats",
+    "bird watching", "running a first marathon", "strength training", "yoga", "sleep habits", "stress at work",
+    "job interviews", "writing a resume", "asking for a raise", "starting a small business", "personal budgeting",
+    "saving for retirement", "buying a used car", "renting an apartment", "moving to a new city", "learning guitar",
+    "learning to draw", "photography", "writing a novel", "poetry", "public speaking", "negotiation",
+    "time management", "studying for exams", "learning Spanish", "teaching kids to read", "parenting teenagers",
+    "planning a wedding", "hosting a party", "board games", "video game design", "chess", "travel in Japan",
+    "a road trip across the United States", "camping", "hiking safety", "the history of ancient Rome",
+    "the Industrial Revolution", "World War I", "the Renaissance", "the Silk Road", "the Cold War",
+    "the solar system", "black holes", "evolution", "the human immune system", "nutrition", "the brain and memory",
+    "climate and weather", "volcanoes", "the oceans", "renewable energy", "electric cars", "recycling",
+    "how the internet works", "smartphones", "cybersecurity at home", "passwords", "spreadsheets", "SQL databases",
+    "Python programming", "JavaScript", "web design", "Linux command line", "git", "machine learning",
+    "statistics", "probability puzzles", "geometry", "algebra homework", "philosophy of mind", "ethics",
+    "economics of inflation", "the stock market", "taxes", "law and contracts", "customer service",
+    "marketing a product", "team management", "remote work", "email etiquette", "writing a speech", "movies",
+    "music theory", "jazz", "architecture", "interior design", "fashion", "car maintenance", "home repair",
+    "first aid", "mental health", "friendship", "dating", "volunteering", "city planning", "public transport",
+)
+SELF_INSTRUCT_KINDS = (
+    "an explanation of how something works", "practical advice for their situation", "step-by-step instructions",
+    "a comparison of two options", "a short story", "a poem", "a list of ideas", "a summary of a topic",
+    "a definition and an example", "pros and cons", "a plan or schedule", "a short piece of code",
+    "help fixing a mistake", "a recommendation", "an email or letter written for them", "an opinion with reasons",
+)
+
+
+def normalized_words(text: str) -> frozenset[str]:
+    """Lower-case word set, for near-duplicate checks."""
+    return frozenset(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def near_duplicate(a: frozenset, b: frozenset, threshold: float = 0.6) -> bool:
+    """Jaccard overlap of two word sets at or above the threshold."""
+    return bool(a and b) and len(a & b) / len(a | b) >= threshold
+
+
+def evaluation_texts(data_dir: str) -> list[str]:
+    """Every evaluation prompt: GSM8K test, MATH-500, HumanEval, MBPP test (11-510), MT-Bench turns, and our own
+    held-out chat set (`bench --tasks chat-heldout`). Generated training prompts are filtered against these."""
+    import gzip
+
+    root = Path(data_dir)
+    out = [json.loads(line)["question"] for line in open(root / "gsm8k" / "test.jsonl")]
+    out += [json.loads(line)["question"] for line in open(root / "math500" / "test.jsonl")]
+    out += [json.loads(line)["prompt"] for line in gzip.open(root / "humaneval" / "HumanEval.jsonl.gz", "rt")]
+    rows = json.loads((root / "mbpp" / "sanitized-mbpp.json").read_text())
+    out += [r["prompt"] for r in rows if 11 <= r["task_id"] <= 510]
+    for line in open(root / "mt_bench" / "question.jsonl"):
+        out += json.loads(line)["turns"]
+    out += [h for h in (Path(__file__).parent / "heldout" / "chat.txt").read_text().splitlines() if h.strip()]
+    return out
+
+
+def filter_generated(candidates: list[str], data_dir: str, threshold: float = 0.6) -> list[str]:
+    """Keep generated prompts that are neither near-duplicates of an earlier kept one nor of any evaluation
+    prompt (word-set Jaccard >= threshold, or one contains the other's first 60 characters)."""
+    evals = evaluation_texts(data_dir)
+    eval_words = [normalized_words(e) for e in evals]
+    eval_heads = [e.strip()[:60].lower() for e in evals]
+    kept, kept_words = [], []
+    for c in candidates:
+        w = normalized_words(c)
+        low = c.lower()
+        if any(near_duplicate(w, k, threshold) for k in kept_words):
+            continue
+        if any(h in low for h in eval_heads) or any(near_duplicate(w, e, threshold) for e in eval_words):
+            continue
+        kept.append(c)
+        kept_words.append(w)
+    return kept
+
+
+PROMPT_SOURCES = ("gsm8k", "mbpp", "chat", "math", "code", "talk", "code2", "talk2", "docs")
 
 
 def training_prompts(data_dir: str, sources=("gsm8k", "mbpp", "chat"), seed: int = 0,
-                     num_math: int = 1000, num_talk: int = 1000) -> list[str]:
+                     num_math: int = 1000, num_talk: int = 1000, num_docs: int = 1000) -> list[str]:
     """Training prompts only: GSM8K train, MBPP train/validation/prompt splits, generated chat prompts
     (`chat`, the small set of stages 1-2), the templated sets `math`, `code`, `talk`, and their later
-    additions `code2` (more coding tasks with examples) and `talk2` (more chat; `num_talk` prompts, as `talk`).
+    additions `code2` (more coding tasks with examples), `talk2` (more chat; `num_talk` prompts, as `talk`) and
+    `docs` (requests about the docstrings of Python's standard library; `num_docs` prompts). Prompts the target
+    writes itself (self-instruct, multi-turn) come from `python -m dflash2.train prompts` and `data --prompts-file`.
     New sources draw from `rng` after the older ones, so adding one never changes the older sources' prompts.
 
     Evaluation sets (GSM8K test, MATH-500, HumanEval, MBPP test 11-510, MT-Bench) are never read here.
@@ -1180,12 +1342,16 @@ def training_prompts(data_dir: str, sources=("gsm8k", "mbpp", "chat"), seed: int
         prompts += _code2_prompts()
     if "talk2" in sources:
         prompts += _talk2_prompts(num_talk, rng)
+    if "docs" in sources:
+        prompts += _docs_prompts(num_docs, rng)
     return prompts
 
 
-def chat_ids(tokenizer, prompt: str, system: str | None = None) -> list[int]:
-    """Token ids of one user turn through the target's chat template, with the generation prompt."""
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+def chat_ids(tokenizer, prompt, system: str | None = None) -> list[int]:
+    """Token ids of a prompt through the target's chat template, with the generation prompt. `prompt` is one
+    user turn (a string) or a conversation (a list of {"role", "content"} messages ending with a user turn)."""
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    msgs = ([{"role": "system", "content": system}] if system else []) + turns
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     if not isinstance(ids, list):
         ids = ids["input_ids"]

@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .model import DFlash2Config, DFlash2Drafter, load_target, stop_token_ids
-from .prompts import PROMPT_SOURCES, chat_ids, training_prompts
+from .prompts import (FOLLOW_UPS, PROMPT_SOURCES, SELF_INSTRUCT_KINDS, SELF_INSTRUCT_TOPICS, chat_ids, filter_generated,
+                      training_prompts)
 from .settings import check_sampling_params
 from .spec_decode import process_logits
 
@@ -85,7 +87,9 @@ def make_data(args):
     taps = [int(t) for t in args.taps.split(",")]
     out = Path(args.out) / "data"
     out.mkdir(parents=True, exist_ok=True)
-    prompts = training_prompts(args.data_dir, sources=args.sources.split(","), seed=args.seed)
+    prompts = training_prompts(args.data_dir, sources=[s for s in args.sources.split(",") if s], seed=args.seed)
+    for path in args.prompts_file:  # prompts the target wrote (`dflash2.train prompts`): strings or conversations
+        prompts += read_prompts_file(path)
     random.Random(args.seed).shuffle(prompts)
     encoded = [chat_ids(tok, p) for p in prompts]
     if args.exclude:  # later stages: skip prompts an earlier `dflash2.train data` run already answered
@@ -111,6 +115,91 @@ def make_data(args):
         torch.save({"ids": [r[0] for r in rows], "features": [r[1] for r in rows],
                     "prompt_lens": [len(encoded[i]) for i in idx]}, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)
+
+
+def read_prompts_file(path) -> list:
+    """Prompts from a JSONL file of {"prompt": str} or {"messages": [...]} rows (`dflash2.train prompts`)."""
+    out = []
+    for n, line in enumerate(open(path), 1):
+        if line.strip():
+            row = json.loads(line)
+            if "prompt" not in row and "messages" not in row:
+                raise SystemExit(f"error: {path} line {n} has neither 'prompt' nor 'messages'")
+            out.append(row.get("prompt") or row["messages"])
+    return out
+
+
+def _clean_question(text: str) -> str | None:
+    """A generated question cut to its first sentence ending in '?', without labels or quotes; None if unusable
+    (no question mark, too short or long, or about the assistant and the task instead of a topic)."""
+    line = next((x.strip() for x in text.strip().splitlines() if x.strip()), "")
+    if "?" not in line:
+        return None
+    line = line[: line.index("?") + 1]
+    line = re.sub(r'^.*?(asks?|question( is)?|wants to know)\s*[:,]?\s*"?', "", line, count=1, flags=re.I)
+    line = re.sub(r'^[\w .-]{0,24}:\s*', "", line.strip(), count=1).strip().strip('"\u201c\u201d*').strip()
+    if not 20 <= len(line) <= 300 or line.count(" ") < 3 or re.search(r"assistant|chatbot|question|smol|\[", line, re.I):
+        return None
+    return line[0].upper() + line[1:]
+
+
+def _reply_texts(model, tok, prompts: list, max_new_tokens: int, batch_size: int, temperature: float, seed: int,
+                 desc: str) -> list[str]:
+    """The target's replies (text) to prompts, batched; greedy at temperature 0, else sampled (top-p 0.95)."""
+    stop = set(stop_token_ids(model, tok))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    out = []
+    encoded = [chat_ids(tok, p) for p in prompts]
+    for k in tqdm(range(0, len(encoded), batch_size), desc=desc):
+        batch = encoded[k : k + batch_size]
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
+        rows = generate_with_features(model, batch, [0], max_new_tokens, stop, pad, temperature=temperature,
+                                      top_p=0.95 if temperature > 0 else 1.0, generator=gen)
+        for (ids, _), p in zip(rows, batch):
+            resp = [t for t in ids[len(p):].tolist() if t not in stop]
+            out.append(tok.decode(resp, skip_special_tokens=True))
+    return out
+
+
+def make_prompts(args):
+    """Prompts the target writes itself, filtered for duplicates and for evaluation text, as JSONL.
+
+    self-instruct: for each (topic, kind) the target is asked for a question a user might type, sampled at T = 0.7.
+    multi-turn: first turns from --first-turns (a prompts file) or the `talk2` and `docs` sources, the target's
+    greedy answer, then a follow-up from FOLLOW_UPS: the response trained on is the answer to the follow-up."""
+    model, tok = load_target(args.target, dtype=getattr(torch, args.dtype))
+    torch.set_num_threads(args.threads)
+    rng = random.Random(args.seed)
+    if args.kind == "self-instruct":
+        grid = [(t, k) for t in SELF_INSTRUCT_TOPICS for k in SELF_INSTRUCT_KINDS]
+        rng.shuffle(grid)
+        asks = [f"Topic: {t}. Write a question a user could type to a chatbot about this topic, asking for {k}. "
+                f"Write it in the user's own words, as one sentence ending with a question mark." for t, k in grid[: args.num]]
+        texts = _reply_texts(model, tok, asks, 48, args.batch_size, 0.7, args.seed, "self-instruct")
+        candidates = [q for q in map(_clean_question, texts) if q]
+        kept = filter_generated(candidates, args.data_dir)
+        rows = [{"prompt": q} for q in kept]
+        print(f"self-instruct: {len(asks)} asked, {len(candidates)} usable, {len(kept)} kept after duplicate and "
+              f"evaluation-text filtering")
+    else:
+        firsts = (read_prompts_file(args.first_turns) if args.first_turns else
+                  training_prompts(args.data_dir, sources=("talk2", "docs"), seed=args.seed))
+        firsts = [f for f in firsts if isinstance(f, str)]
+        rng.shuffle(firsts)
+        firsts = firsts[: args.num]
+        answers = _reply_texts(model, tok, firsts, args.answer_tokens, args.batch_size, 0.0, args.seed, "first turns")
+        rows = []
+        for q, a in zip(firsts, answers):
+            a = a.strip()
+            if len(a) < 20:
+                continue
+            rows.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a},
+                                      {"role": "user", "content": rng.choice(FOLLOW_UPS)}]})
+        print(f"multi-turn: {len(rows)} conversations of {len(firsts)} first turns")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
 
 
 # --------------------------------------------------------------------------- training
@@ -315,6 +404,8 @@ def train(args, target=None):
             ckpt_path.with_suffix(".tmp").rename(ckpt_path)
             drafter.save_pretrained(out / "drafter", dtype=torch.bfloat16)
             (out / "history.json").write_text(json.dumps(history))
+        if getattr(args, "snapshot_every", 0) and (step + 1) % args.snapshot_every == 0:
+            drafter.save_pretrained(out / "snapshots" / f"step_{step + 1:05d}", dtype=torch.bfloat16)
     return drafter, history
 
 
@@ -371,6 +462,8 @@ def main():
     d.add_argument("--max-prompts", type=int, default=4000)
     d.add_argument("--sources", default="gsm8k,mbpp,chat",
                    help=f"prompt sets, comma separated, from {','.join(PROMPT_SOURCES)} (see dflash2/prompts.py)")
+    d.add_argument("--prompts-file", action="append", default=[], metavar="JSONL",
+                   help="also answer these prompts (from `dflash2.train prompts`); repeatable")
     d.add_argument("--exclude", action="append", default=[], metavar="DIR",
                    help="skip prompts already answered in this earlier data/ folder; repeatable")
     d.add_argument("--max-new-tokens", type=int, default=256)
@@ -381,6 +474,18 @@ def main():
     d.add_argument("--temperature", type=float, default=0.0,
                    help="0: the target's greedy responses; > 0: sampled ones (e.g. 0.7 or 1.0, as users sample)")
     d.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampled responses (the card uses 0.95)")
+    pr = sub.add_parser("prompts", help="have the target write prompts (self-instruct) or follow-ups (multi-turn)")
+    pr.add_argument("--kind", choices=("self-instruct", "multi-turn"), required=True)
+    pr.add_argument("--out", required=True, metavar="JSONL")
+    pr.add_argument("--num", type=int, default=1000, help="questions to ask for / first turns to answer")
+    pr.add_argument("--first-turns", default=None, metavar="JSONL", help="multi-turn: first turns from this file")
+    pr.add_argument("--answer-tokens", type=int, default=128, help="multi-turn: length cap of the first answer")
+    pr.add_argument("--target", default=None)
+    pr.add_argument("--data-dir", default="../shared/data", help="evaluation sets to filter generated prompts against")
+    pr.add_argument("--batch-size", type=int, default=48)
+    pr.add_argument("--threads", type=int, default=2)
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--dtype", default="bfloat16")
     t = sub.add_parser("train", help="fit a drafter on the self-distilled data")
     t.add_argument("--out", default="runs/smollm2", help="directory holding data/ (from `dflash2.train data`)")
     t.add_argument("--steps", type=int, default=2000)
@@ -399,6 +504,8 @@ def main():
     t.add_argument("--clip", type=float, default=1.0)
     t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast matmuls")
     t.add_argument("--save-every", type=int, default=100)
+    t.add_argument("--snapshot-every", type=int, default=0, metavar="N",
+                   help="also keep the drafter every N steps in OUT/snapshots/step_N (for a tau-vs-steps curve)")
     t.add_argument("--resume", action="store_true")
     t.add_argument("--init", default=None, metavar="DIR",
                    help="start from this published drafter checkpoint (fine-tuning); its config sets the shape")
@@ -416,6 +523,8 @@ def main():
     args = ap.parse_args()
     if args.cmd == "data":
         make_data(args)
+    elif args.cmd == "prompts":
+        make_prompts(args)
     elif args.cmd == "train":
         train(args)
     else:

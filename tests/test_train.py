@@ -2,6 +2,7 @@
 import argparse
 import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ def _tiny_setup(tmp_path, n_seqs=6):
     args = argparse.Namespace(
         out=str(tmp_path), steps=30, batch_seqs=4, anchors=6, block_size=4, gamma=None, layers=1,
         intermediate_size=32, rank=8, top_k=4, mask_token_id=63, lr=3e-3, warmup=3, weight_decay=0.0,
-        clip=1.0, bf16=False, save_every=10, resume=False, threads=1, seed=0)
+        clip=1.0, bf16=False, save_every=10, snapshot_every=10, resume=False, threads=1, seed=0)
     return model, rows, args
 
 
@@ -137,6 +138,10 @@ def test_short_training_run_learns_and_writes_a_loadable_drafter(tmp_path):
     res = sd.generate(target, loaded, [[3, 5, 9, 4]], max_new_tokens=10)[0]
     ar = sd.generate(target, None, [[3, 5, 9, 4]], method="ar", max_new_tokens=10)[0]
     assert res.tokens == ar.tokens
+    # --snapshot-every keeps the drafter at those steps, loadable like the final one
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["step_00010", "step_00020", "step_00030"]
+    snap = DFlash2Drafter.from_pretrained(tmp_path / "snapshots" / "step_00030", dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(snap.state_dict().values(), loaded.state_dict().values()))
     # resume continues from the saved step
     args.steps, args.resume = 35, True
     _, history2 = train.train(args, target=model)
@@ -253,3 +258,71 @@ def test_seen_prompts_reads_every_answered_prompt(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no shard"):
         train.seen_prompts([tmp_path / "empty"])
+
+
+def test_generated_prompts_lose_duplicates_and_evaluation_text():
+    """`dflash2.train prompts` keeps a generated prompt only if it is not a near-duplicate of one already kept nor of
+    any evaluation prompt (a held-out chat line or an MT-Bench turn, reworded in small ways, is dropped)."""
+    import pytest
+
+    from dflash2.prompts import evaluation_texts, filter_generated
+    from targets import DATA_DIR as root
+
+    if not root.is_dir():
+        pytest.skip(f"benchmark data not found at {root} (set DFLASH2_DATA_DIR to a copy of the ../shared/data layout)")
+    evals = evaluation_texts(str(root))
+    heldout = [h for h in (Path(train.__file__).parent / "heldout" / "chat.txt").read_text().splitlines() if h.strip()]
+    mt = json.loads(open(root / "mt_bench" / "question.jsonl").readline())["turns"][0]
+    assert heldout[0] in evals and mt in evals
+    fresh = ["How do I keep a basil plant alive on a windowsill in winter?",
+             "What should I pack for a three-day hike in the desert?"]
+    candidates = [fresh[0], fresh[0].replace("basil", "Basil") + " ", heldout[3], heldout[7].lower() + " please",
+                  "Please " + mt, fresh[1], mt.upper()]
+    assert filter_generated(candidates, str(root)) == fresh
+
+
+def test_generated_questions_are_cleaned():
+    c = train._clean_question
+    assert c('Chatbot: "How does a negotiation take place in a business setting?" more') == \
+        "How does a negotiation take place in a business setting?"
+    assert c("Q: how do tides work on the coast? And why") == "How do tides work on the coast?"
+    assert c("Here is a fine question for the assistant: what now?") is None  # about the task, not a topic
+    assert c("No question mark in this line at all.") is None
+    assert c("Why?") is None  # too short
+
+
+def test_multi_turn_prompts_are_conversations_the_data_step_reads(tmp_path):
+    """prompts --kind multi-turn: each row is user turn, the target's greedy answer to it, a follow-up; `data`
+    reads the file and encodes the whole conversation with the chat template."""
+    from dflash2.model import load_target, stop_token_ids
+    from dflash2.prompts import FOLLOW_UPS, chat_ids
+    from tiny_tokenizer import tiny_tokenizer
+
+    model = tiny_target("llama", vocab=64, hidden=32, layers=3)
+    model.save_pretrained(tmp_path / "target")
+    tok = tiny_tokenizer(64)
+    tok.save_pretrained(tmp_path / "target")
+    firsts = tmp_path / "firsts.jsonl"
+    firsts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello there", "add 2 and 3", "why"]))
+    out = tmp_path / "mt.jsonl"
+    args = argparse.Namespace(kind="multi-turn", out=str(out), num=3, first_turns=str(firsts), answer_tokens=24,
+                              target=str(tmp_path / "target"), data_dir="unused", batch_size=2, threads=1, seed=0,
+                              dtype="float32")
+    train.make_prompts(args)
+    rows = train.read_prompts_file(out)
+    assert rows, "no conversation kept"
+    target, tok2 = load_target(str(tmp_path / "target"), prepack=False)
+    stop = set(stop_token_ids(target, tok2))
+    for conv in rows:
+        assert [m["role"] for m in conv] == ["user", "assistant", "user"] and conv[2]["content"] in FOLLOW_UPS
+        first = chat_ids(tok2, conv[0]["content"])
+        greedy = train.generate_with_features(target, [first], [0], 24, stop, 1)[0][0][len(first):].tolist()
+        assert conv[1]["content"] == tok2.decode([t for t in greedy if t not in stop], skip_special_tokens=True).strip()
+        ids = chat_ids(tok2, conv)
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in conv) + "<|im_start|>assistant\n"
+        assert ids == tok2(text, add_special_tokens=False)["input_ids"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
+    import pytest
+
+    with pytest.raises(SystemExit, match="neither"):
+        train.read_prompts_file(tmp_path / "bad.jsonl")
