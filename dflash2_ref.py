@@ -17,18 +17,8 @@ import traceback
 import warnings
 from pathlib import Path
 
-from dflash2.settings import (DEFAULT_DRAFT, DEFAULT_TARGET, DTYPE_NAMES, METHODS, InputError, LoadError,
+from dflash2.settings import (DEFAULT_DRAFT, DEFAULT_TARGET, DTYPE_NAMES, METHODS, HelpFormatter, InputError, LoadError,
                               check_sampling_params, drafter_block_size)
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """Every help line ends with its default, unless it says it already or there is none."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" not in text and not any(action.default is v for v in (None, False, argparse.SUPPRESS)):
-            text += " (default: %(default)s)"
-        return text
 
 
 class Parser(argparse.ArgumentParser):
@@ -36,7 +26,7 @@ class Parser(argparse.ArgumentParser):
         raise InputError(message)
 
 
-def parse_args(argv=None):
+def build_parser():
     p = Parser(description="DFlash 2 speculative decoding (reference implementation).",
                formatter_class=HelpFormatter,
                epilog="Exit codes: 0 ok, 1 failure, 2 bad command line or input. Trace format: docs/TRACE.md.")
@@ -75,7 +65,11 @@ def parse_args(argv=None):
     p.add_argument("--check-trace", metavar="FILE", help="replay a trace and report its first divergence")
     p.add_argument("--atol", type=float, default=1e-4, help="--check-trace tolerance for logits, q, uniforms")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def check_args(args):

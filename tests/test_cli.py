@@ -1,4 +1,5 @@
 """The command line end to end on the tiny golden pair: reports, streaming, and one clear line per bad input."""
+import argparse
 import json
 import shutil
 import subprocess
@@ -126,6 +127,35 @@ def bad_inputs(tmp):
         (["--prompt", "the", "--attn-backend", "flash"], 2, "attention backend 'flash' cannot run on cpu"),
         (["--prompt", "the", "--attn-backend", "flex", "--compile"], 2, "'flex' cannot be compiled into the drafter on CPU"),
     ]
+
+
+def _command_lines():
+    from dflash2 import bench, train
+    yield "dflash2-ref", dflash2_ref.build_parser()
+    yield "dflash2-bench", bench.build_parser()
+    sub = next(a for a in train.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        yield f"dflash2-train {name}", parser
+
+
+def test_every_option_is_documented_with_its_default():
+    """All three command lines: every option has a help text, and the text shows the default where there is one."""
+    seen = set()
+    for name, parser in _command_lines():
+        seen.add(name)
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"{name} {action.option_strings[0]} has no help text"
+            if action.default not in (None, False, [], argparse.SUPPRESS):
+                assert "default" in formatter._get_help_string(action), f"{name} {action.option_strings[0]}"
+        text = parser.format_help()  # every %(default)s expands
+        assert "%(" not in text
+    assert seen == {"dflash2-ref", "dflash2-bench", "dflash2-train data", "dflash2-train prompts",
+                    "dflash2-train train", "dflash2-train plot"}
+    concurrency = next(a for a in dict(_command_lines())["dflash2-bench"]._actions if a.dest == "concurrency")
+    assert "(default: 1,8,32)" in settings.HelpFormatter("x")._get_help_string(concurrency)
 
 
 def test_bad_inputs_exit_with_one_clear_line(capsys, tmp_path):
