@@ -17,8 +17,8 @@ import traceback
 import warnings
 from pathlib import Path
 
-from dflash2.settings import (DEFAULT_DRAFT, DEFAULT_TARGET, DTYPE_NAMES, METHODS, HelpFormatter, InputError, LoadError,
-                              check_sampling_params, drafter_block_size)
+from dflash2.settings import (DEFAULT_DRAFT, DEFAULT_TARGET, DTYPE_NAMES, METHODS, HelpFormatter, InputError,
+                              LoadError, check_sampling_params, drafter_block_size)
 
 
 class Parser(argparse.ArgumentParser):
