@@ -17,8 +17,8 @@ _API = {
     "CheckpointError": "model", "load_target": "model", "stop_token_ids": "model",
     # the loop and its math (SPEC §5)
     "generate": "spec_decode", "Result": "spec_decode", "Target": "spec_decode", "draft": "spec_decode",
-    "select_path": "spec_decode", "process_logits": "spec_decode", "verify_greedy": "spec_decode",
-    "verify_sampled": "spec_decode", "compile_core": "spec_decode",
+    "select_path": "spec_decode", "process_logits": "verify", "verify_greedy": "verify",
+    "verify_sampled": "verify", "compile_core": "spec_decode",
     # a target and its drafter together
     "Pair": "pair", "load_pair": "pair", "check_pair": "pair", "encode_prompt": "pair",
     # step traces: write, read, compare, replay

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from .kernels import attention_backends, default_backend, drafter_attention, prepack_linears
 from .settings import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: F401 (re-exported)
+from .verify import sample_index
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -343,24 +344,6 @@ class DecoderLayer(nn.Module):
         x = x + self.attention_conv.finish(a, kappa)
         v, kappa = self.mlp_conv.prepare(self.post_attention_layernorm(x))
         return x + self.mlp_conv.finish(self.mlp(v), kappa)
-
-
-def sample_from(probs, u):
-    """Inverse-CDF draw: the token t with cdf(t-1) <= u * cdf(V-1) < cdf(t); probs [..., V] >= 0, unnormalised ok, u [...] in [0, 1)."""
-    cdf = probs.cumsum(-1)
-    x = u.to(cdf.dtype).unsqueeze(-1) * cdf[..., -1:]
-    token = torch.searchsorted(cdf, x, right=True).squeeze(-1)
-    # u * total can round up to total; never step past the last token that has mass.
-    positions = torch.arange(probs.shape[-1], device=probs.device)
-    last_with_mass = torch.where(probs > 0, positions, 0).amax(-1)
-    return torch.minimum(token, last_with_mass)
-
-
-def sample_index(probs, generator=None):
-    """Index ~ probs along the last axis: an inverse-CDF draw with one uniform per row, no host sync.
-    (An exponential race, argmax(p / E), needs one Exp(1) draw per vocabulary entry: on CPU that
-    cost more than the drafter for DFlash v1's full-vocabulary proposals.)"""
-    return sample_from(probs, torch.rand(probs.shape[:-1], generator=generator, device=probs.device))
 
 
 class CandidateSelector(nn.Module):

@@ -26,7 +26,7 @@ from .model import DFlash2Config, DFlash2Drafter, load_target, stop_token_ids
 from .prompts import (FOLLOW_UPS, PROMPT_SOURCES, SELF_INSTRUCT_KINDS, SELF_INSTRUCT_TOPICS, chat_ids, filter_generated,
                       training_prompts)
 from .settings import HelpFormatter, check_sampling_params
-from .spec_decode import process_logits
+from .verify import process_logits
 
 # --------------------------------------------------------------------------- data
 

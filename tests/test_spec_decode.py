@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from dflash2 import spec_decode as sd
+from dflash2 import spec_decode as sd, verify
 from targets import ARCHS, reference_greedy, tiny_drafter, tiny_target
 
 _cache = {}
@@ -317,7 +317,7 @@ def _target_law(model, prompt, n, temperature, top_p, top_k=0):
         for prefix, pr in law.items():
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].double()
-            p = sd.process_logits(logits, temperature, top_k, top_p)
+            p = verify.process_logits(logits, temperature, top_k, top_p)
             for t in torch.nonzero(p).flatten().tolist():
                 nxt[prefix + (t,)] = pr * float(p[t])
         law = nxt
@@ -367,9 +367,9 @@ def test_sampling_loop_catches_a_broken_verifier(monkeypatch, mutant):
     """Negative controls: the same check fails when the loop's verifier is broken."""
     model, target, drafter = _sampling_pair()
     if mutant == "forgets_residual":  # on rejection, sample from P instead of max(P - q, 0)
-        monkeypatch.setattr(sd, "residual_distribution", lambda p, q: p)
+        monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)
     else:
-        monkeypatch.setattr(sd, "acceptance_probability", lambda p, q: torch.ones_like(p))
+        monkeypatch.setattr(verify, "acceptance_probability", lambda p, q: torch.ones_like(p))
     tv, bound = _loop_tv(model, target, drafter, "dflash2")
     assert tv > 2 * bound, (tv, bound)
 

@@ -49,7 +49,7 @@ def test_sampled_responses_follow_the_nucleus_and_keep_their_features():
     """data --temperature: every drawn token lies in the target's nucleus at its prefix, the features
     are the hidden states of the sampled sequence, a seed replays the draw, and a nucleus of one token
     is greedy decoding."""
-    from dflash2.spec_decode import process_logits
+    from dflash2.verify import process_logits
 
     model = tiny_target("llama", vocab=64, hidden=32, layers=3)
     prompts = [[1, 5, 9, 2], [3, 4], [7, 7, 7, 8, 1]]

@@ -15,7 +15,8 @@ import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from dflash2 import spec_decode as sd
+from dflash2 import verify
+from dflash2.settings import check_sampling_params
 
 FAST = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MC_ROWS = 200_000
@@ -42,7 +43,7 @@ def prefix_rows(tokens, vocab):
 def toy_target(vocab, n, temperature, top_k, top_p, gen):
     """P(. | prefix) for every prefix of length <= n: process_logits of random logits. [prefixes, V] float64."""
     logits = 2 * torch.randn(len(all_prefixes(vocab, n)), vocab, generator=gen, dtype=torch.float64)
-    return sd.process_logits(logits, temperature, top_k, top_p)
+    return verify.process_logits(logits, temperature, top_k, top_p)
 
 
 def toy_proposal(vocab, n, walk, support, gen):
@@ -66,8 +67,8 @@ def exact_verification_law(P, Q, vocab, n):
     length is a + 1. Acceptance and residual come from the helpers verify_sampled uses.
     """
     index = {prefix: row for row, prefix in enumerate(all_prefixes(vocab, n))}
-    alpha = sd.acceptance_probability(P[: len(Q)], Q).tolist()
-    residual = sd.residual_distribution(P[: len(Q)], Q).tolist()
+    alpha = verify.acceptance_probability(P[: len(Q)], Q).tolist()
+    residual = verify.residual_distribution(P[: len(Q)], Q).tolist()
     p, q = P.tolist(), Q.tolist()
     law = {}
 
@@ -141,7 +142,7 @@ def verify_sampled_law(P, Q, vocab, n):
     drafts = torch.tensor(drafts).view(len(cases), n)
     where = prefix_rows(drafts, vocab)
     u_accept = torch.tensor(u_accept, dtype=torch.float64).view(len(cases), n)
-    num_accepted, out = sd.verify_sampled(drafts, Q[where[:, :n]], P[where], u_accept,
+    num_accepted, out = verify.verify_sampled(drafts, Q[where[:, :n]], P[where], u_accept,
                                           torch.tensor(u_emit, dtype=torch.float64))
     assert ((out >= 0) == (torch.arange(n + 1) <= num_accepted[:, None])).all()
     law = {}
@@ -155,10 +156,10 @@ def sampled_block(P, Q, vocab, n, rows, gen):
     drafts = torch.zeros(rows, 0, dtype=torch.long)
     for _ in range(n):
         q_rows = Q[prefix_rows(drafts, vocab)[:, -1]]
-        drafts = torch.cat([drafts, sd.sample_from(q_rows, torch.rand(rows, generator=gen))[:, None]], 1)
+        drafts = torch.cat([drafts, verify.sample_from(q_rows, torch.rand(rows, generator=gen))[:, None]], 1)
     where = prefix_rows(drafts, vocab)
     p, q = P[where].float(), Q[where[:, :n]].float()
-    return sd.verify_sampled(drafts, q, p, torch.rand(rows, n, generator=gen), torch.rand(rows, generator=gen))
+    return verify.verify_sampled(drafts, q, p, torch.rand(rows, n, generator=gen), torch.rand(rows, generator=gen))
 
 
 def outcome_codes(tokens, vocab):
@@ -288,7 +289,7 @@ def residual_is_target(p, q):
 def test_checks_detect_broken_verifier(monkeypatch, walk, helper, mutant):
     cfg = dict(vocab=4, n=2, temperature=1.0, top_k=3, top_p=0.95, walk=walk, support=3, seed=1)
     P, Q, gen = build_toy(cfg)
-    monkeypatch.setattr(sd, helper, mutant)
+    monkeypatch.setattr(verify, helper, mutant)
     law = exact_verification_law(P, Q, 4, 2)
     assert max_error_against_target(law, P, 4, 2) > 1e-2
     # Monte Carlo against the correct law: restore the helper only for the reference enumeration.
@@ -331,7 +332,7 @@ def test_greedy_matches_target(n, vocab, extra_rows, data):
         draft_ids[row, :length] = best[row, :length]
         if length < n:
             draft_ids[row, length] = (best[row, length] + data.draw(st.integers(1, vocab - 1))) % vocab
-    num_accepted, out_tokens = sd.verify_greedy(draft_ids, target_logits)
+    num_accepted, out_tokens = verify.verify_greedy(draft_ids, target_logits)
     assert num_accepted.tolist() == lengths
     for row, (accepted, emitted) in enumerate(brute_force_greedy(draft_ids, target_logits)):
         assert out_tokens[row].tolist() == emitted + [-1] * (n - accepted)
@@ -376,7 +377,7 @@ def brute_force_process_logits(row, temperature, top_k, top_p):
 )
 def test_process_logits_matches_definition(rows, vocab, temperature, top_k, top_p, seed):
     logits = 3 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    probs = sd.process_logits(logits, temperature, top_k, top_p)
+    probs = verify.process_logits(logits, temperature, top_k, top_p)
     for got, row in zip(probs.tolist(), logits.tolist()):
         want, margin = brute_force_process_logits(row, temperature, top_k, top_p)
         assume(margin > 1e-9)  # a nucleus boundary exactly at top_p is a tie
@@ -385,7 +386,7 @@ def test_process_logits_matches_definition(rows, vocab, temperature, top_k, top_
         if top_k and top_p == 1:
             assert len(kept) == min(top_k, vocab)
         if top_p < 1:
-            unfiltered = sd.process_logits(torch.tensor(row, dtype=torch.float64), temperature, top_k)
+            unfiltered = verify.process_logits(torch.tensor(row, dtype=torch.float64), temperature, top_k)
             mass = unfiltered[torch.tensor(got) > 0].sum().item()
             assert mass >= top_p - 1e-12 and mass - unfiltered[torch.tensor(got) > 0].min().item() < top_p
 
@@ -406,11 +407,11 @@ def test_nucleus_with_ties_is_exact_and_order_free(rows, vocab, spread, top_p, t
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(-spread, spread + 1, (rows, vocab), generator=gen).double()
     probs = logits.softmax(-1)
-    full = sd.nucleus_cutoff(probs, top_p, tiers=())
-    assert torch.equal(sd.nucleus_cutoff(probs, top_p, tiers=tiers), full)
+    full = verify.nucleus_cutoff(probs, top_p, tiers=())
+    assert torch.equal(verify.nucleus_cutoff(probs, top_p, tiers=tiers), full)
     perm = torch.randperm(vocab, generator=gen)
     kept = probs >= full
-    assert torch.equal((probs[:, perm] >= sd.nucleus_cutoff(probs[:, perm], top_p, tiers=tiers))[:, perm.argsort()], kept)
+    assert torch.equal((probs[:, perm] >= verify.nucleus_cutoff(probs[:, perm], top_p, tiers=tiers))[:, perm.argsort()], kept)
     for row, k in zip(logits.tolist(), kept.tolist()):
         want, margin = brute_force_process_logits(row, 1.0, 0, top_p)
         assume(margin > 1e-9)
@@ -420,8 +421,8 @@ def test_nucleus_with_ties_is_exact_and_order_free(rows, vocab, spread, top_p, t
 def test_nucleus_boundary_at_exactly_top_p_is_left_out():
     """P = [1/2, 1/4, 1/4] with top_p = 1/2: the mass before the second token is exactly top_p, not < top_p."""
     for dtype in (torch.float32, torch.float64):
-        assert sd.process_logits(torch.tensor([math.log(2), 0.0, 0.0], dtype=dtype), 1.0, 0, 0.5).tolist() == [1, 0, 0]
-        assert sd.process_logits(torch.tensor([math.log(2), 0.0, 0.0], dtype=dtype), 1.0, 0, 0.5001).tolist() == [
+        assert verify.process_logits(torch.tensor([math.log(2), 0.0, 0.0], dtype=dtype), 1.0, 0, 0.5).tolist() == [1, 0, 0]
+        assert verify.process_logits(torch.tensor([math.log(2), 0.0, 0.0], dtype=dtype), 1.0, 0, 0.5001).tolist() == [
             0.5, 0.25, 0.25]
 
 
@@ -453,7 +454,7 @@ def test_nucleus_boundary_ties_are_exact(counts, cut, tiers, dtype, seed):
         mass += Fraction(c, total)
     want = [c >= kept[-1] for c in counts]
     probs = torch.tensor(counts, dtype=dtype) / total
-    got = (probs >= sd.nucleus_cutoff(probs[None], float(top_p), tiers=tiers)[0]).tolist()
+    got = (probs >= verify.nucleus_cutoff(probs[None], float(top_p), tiers=tiers)[0]).tolist()
     assert got == want
 
 
@@ -463,10 +464,10 @@ def test_nucleus_tiers_match_the_full_sort_on_a_real_vocabulary():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 49152, generator=gen) * torch.tensor([12.0, 8.0, 5.0, 3.0, 1.0, 0.0])[:, None]
     probs = logits.softmax(-1)
-    full = sd.nucleus_cutoff(probs, 0.95, tiers=())
-    assert torch.equal(sd.nucleus_cutoff(probs, 0.95), full)
+    full = verify.nucleus_cutoff(probs, 0.95, tiers=())
+    assert torch.equal(verify.nucleus_cutoff(probs, 0.95), full)
     sizes = (probs >= full).sum(-1)
-    first, second = sd.NUCLEUS_TIERS
+    first, second = verify.NUCLEUS_TIERS
     assert (sizes < first).any() and ((first < sizes) & (sizes <= second)).any() and (sizes > second).any()
 
 
@@ -476,19 +477,17 @@ def test_nucleus_tiers_match_the_full_sort_on_a_real_vocabulary():
 )
 def test_sampling_params_are_validated(temperature, top_p, top_k, name):
     with pytest.raises(ValueError, match=name):
-        sd.check_sampling_params(temperature, top_p, top_k)
-    with pytest.raises(ValueError, match=name):
-        sd.process_logits(torch.zeros(3), temperature, top_k, top_p)
+        check_sampling_params(temperature, top_p, top_k)
 
 
 def test_process_logits_rejects_greedy_temperature():
-    sd.check_sampling_params(0.0, 1.0, 0)
+    check_sampling_params(0.0, 1.0, 0)
     with pytest.raises(ValueError, match="temperature must be > 0"):
-        sd.process_logits(torch.zeros(3), 0.0)
+        verify.process_logits(torch.zeros(3), 0.0)
 
 
 def test_sample_from_inverts_the_cdf():
     probs = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0, 0.0])  # unnormalised, zero head and tail
     # u = 1 stands for u * total rounding up to total: it must not reach the zero tail.
     u = torch.tensor([0.0, 0.49, 0.5, 0.74, 0.75, 0.999, 1.0])
-    assert sd.sample_from(probs.expand(len(u), -1), u).tolist() == [1, 1, 3, 3, 4, 4, 4]
+    assert verify.sample_from(probs.expand(len(u), -1), u).tolist() == [1, 1, 3, 3, 4, 4, 4]
