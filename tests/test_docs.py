@@ -1,0 +1,150 @@
+"""docs/SPEC.md is the section list the code cites: every "SPEC §n" in the package, the CLI, the tests,
+README.md and docs/*.md names a section it has, and its sections are numbered 1..N without gaps."""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = Path("docs") / "SPEC.md"
+
+HEADING = re.compile(r"^## §(\d+) ", re.M)
+# "SPEC §3", "SPEC.md §5", "[SPEC.md](SPEC.md) §5", "SPEC §1-4", "SPEC §3-§5", "SPEC §3, §5 and §7":
+# after a range dash the § is optional, after a comma or "and"/"or" it is required (so "SPEC §6, 4 runs"
+# cites §6 only).
+CITATION = re.compile(r"\bSPEC(?:\.md)?(?:\]\([^)\s]*\))?\s*"
+                      r"(§\s*\d+(?:\s*(?:(?:[-–—]|to)\s*§?|(?:,|and|or)\s*§)\s*\d+)*)")
+PART = re.compile(r"(\d+)(?:\s*(?:[-–—]|to)\s*§?\s*(\d+))?")
+BARE = re.compile(r"§\s*(\d+)(?:\s*[-–—]\s*§?\s*(\d+))?")
+
+
+def spec_sections(text):
+    """Section numbers of a SPEC.md text, in order of appearance."""
+    return [int(n) for n in HEADING.findall(text)]
+
+
+def numbering_problems(sections):
+    """Why a list of section numbers is not 1..N (empty when it is)."""
+    if not sections:
+        return ["no '## §n ' headings at all"]
+    expected = list(range(1, len(sections) + 1))
+    if sections == expected:
+        return []
+    missing = sorted(set(range(1, max(sections) + 1)) - set(sections))
+    dupes = sorted({n for n in sections if sections.count(n) > 1})
+    return [f"sections {sections} are not 1..{len(sections)}"
+            + (f"; missing §{', §'.join(map(str, missing))}" if missing else "")
+            + (f"; repeated §{', §'.join(map(str, dupes))}" if dupes else "")]
+
+
+def _expand(match_text, part=PART):
+    """The section numbers a citation's § part names: '§3-§5' -> [3, 4, 5], '§3, §7' -> [3, 7]."""
+    out = []
+    for m in part.finditer(match_text):
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        out += list(range(lo, hi + 1)) if lo <= hi else [lo, hi]
+    return out
+
+
+def cited_sections(line):
+    """[(citation text, [section numbers])] for every SPEC citation in one line."""
+    return [(m.group(0), _expand(m.group(1))) for m in CITATION.finditer(line)]
+
+
+def citing_files(root):
+    """The files whose citations must resolve: dflash2/**.py, dflash2_ref.py, tests/**.py, README.md, docs/*.md."""
+    root = Path(root)
+    files = sorted((root / "dflash2").rglob("*.py")) + [root / "dflash2_ref.py"]
+    files += sorted((root / "tests").rglob("*.py")) + [root / "README.md"] + sorted((root / "docs").glob("*.md"))
+    return [f for f in files if f.is_file()]
+
+
+def citation_problems(root):
+    """'file:line: citation names §n, which docs/SPEC.md lacks' for every unresolved citation under root,
+    plus unresolved bare §n cross-references inside docs/SPEC.md itself."""
+    root = Path(root)
+    spec_text = (root / SPEC).read_text(encoding="utf-8")
+    have = set(spec_sections(spec_text))
+    problems = []
+    for path in citing_files(root):
+        rel = path.relative_to(root).as_posix()
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            found = cited_sections(line)
+            if path == root / SPEC and not HEADING.match(line + " "):
+                found += [(m.group(0), _expand(m.group(0), BARE)) for m in BARE.finditer(line)]
+            for text, numbers in found:
+                for n in numbers:
+                    if n not in have:
+                        problems.append(f"{rel}:{lineno}: {text!r} names §{n}, which {SPEC.as_posix()} does not have "
+                                        f"(its sections: {', '.join(map(str, sorted(have))) or 'none'})")
+    return problems
+
+
+# --- the repository ---
+
+
+def test_spec_sections_are_numbered_without_gaps():
+    sections = spec_sections((ROOT / SPEC).read_text(encoding="utf-8"))
+    assert not numbering_problems(sections), numbering_problems(sections)
+
+
+def test_every_spec_citation_names_a_section():
+    problems = citation_problems(ROOT)
+    assert not problems, "SPEC citations without a section in docs/SPEC.md:\n  " + "\n  ".join(problems)
+
+
+def test_the_citations_are_found():
+    """The scan sees the citations it should (a regex that matched nothing would pass vacuously)."""
+    files = {f.relative_to(ROOT).as_posix() for f in citing_files(ROOT)}
+    assert {"dflash2/model.py", "dflash2_ref.py", "README.md", "docs/SPEC.md", "docs/SPEC_NOTES.md"} <= files
+    cited = {n for f in citing_files(ROOT) for line in f.read_text(encoding="utf-8").splitlines()
+             for _, numbers in cited_sections(line) for n in numbers}
+    assert {2, 3, 4, 5, 7, 8} <= cited
+
+
+# --- the checks can fail ---
+
+
+def test_citation_forms():
+    s = "SPEC " + "§"  # built, so that this file's own citations stay the real ones
+    assert cited_sections(f"x ({s}3) y") == [(f"{s}3", [3])]
+    assert cited_sections(f"({s}1-4)")[0][1] == [1, 2, 3, 4]
+    assert cited_sections(f"as in {s}3-§5: slot")[0][1] == [3, 4, 5]
+    assert cited_sections(f"{s}3, §5 and §7")[0][1] == [3, 5, 7]
+    assert cited_sections(f"{s}6, 4 runs")[0][1] == [6]
+    assert cited_sections("docs/SPEC.md " + "§5, torch only")[0][1] == [5]
+    assert cited_sections("[SPEC.md](SPEC.md) " + "§5)")[0][1] == [5]
+    assert cited_sections("SPEC_NOTES.md " + "§5, SPECIALS §2, SPEC.md, (SPEC)") == []
+
+
+def test_a_missing_section_is_reported(tmp_path):
+    """A copy of the repository's SPEC.md with §7 cut out: the numbering check names the gap and the
+    citation check names each file, line and citation that pointed at §7."""
+    text = (ROOT / SPEC).read_text(encoding="utf-8")
+    start = text.index("\n## §7 ")
+    end = text.index("\n## §8 ")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / SPEC).write_text(text[:start] + text[end:], encoding="utf-8")
+    s = "SPEC " + "§"
+    (tmp_path / "dflash2").mkdir()
+    (tmp_path / "dflash2" / "mod.py").write_text(f'"""A module.\n\nTargets ({s}7).\n"""\n', encoding="utf-8")
+    (tmp_path / "README.md").write_text(f"# r\n\nFine ({s}5); a range ({s}6-§8).\n", encoding="utf-8")
+
+    gaps = numbering_problems(spec_sections((tmp_path / SPEC).read_text(encoding="utf-8")))
+    assert len(gaps) == 1 and "missing §7" in gaps[0], gaps
+
+    problems = citation_problems(tmp_path)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("dflash2/mod.py:3: ") and "§7" in problems[0], problems
+    assert problems[1].startswith("README.md:3: ") and f"'{s}6-§8' names §7" in problems[1], problems
+
+    # bare cross-references inside SPEC.md are checked too
+    with open(tmp_path / SPEC, "a", encoding="utf-8") as f:
+        f.write("\nSee §7 for targets.\n")
+    assert any(p.startswith("docs/SPEC.md:") and "'§7'" in p for p in citation_problems(tmp_path))
+
+
+def test_numbering_problems():
+    assert numbering_problems([1, 2, 3]) == []
+    assert "missing §2" in numbering_problems([1, 3])[0]
+    assert "repeated §2" in numbering_problems([1, 2, 2])[0]
+    assert numbering_problems([2, 1])  # out of order
+    assert numbering_problems([])
