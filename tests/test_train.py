@@ -326,3 +326,42 @@ def test_multi_turn_prompts_are_conversations_the_data_step_reads(tmp_path):
 
     with pytest.raises(SystemExit, match="neither"):
         train.read_prompts_file(tmp_path / "bad.jsonl")
+
+
+def test_prompt_data_files_and_word_lists_are_all_used(tmp_path, monkeypatch):
+    """Every file of dflash2/prompt_data is read when prompts.py loads and builds every source, and every word list
+    in a file is named by one of that file's templates: no data is left behind that no prompt draws from."""
+    import ast
+    import importlib.util
+    import string
+
+    data = Path(train.__file__).parent / "prompt_data"
+    read, real_read = [], Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: read.append(self) or real_read(self, *a, **k))
+    spec = importlib.util.spec_from_file_location("fresh_prompts", data.parent / "prompts.py")
+    prompts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prompts)
+    (tmp_path / "mbpp").mkdir()  # one MBPP training row stands in for the benchmark data
+    (tmp_path / "mbpp" / "sanitized-mbpp.json").write_text(json.dumps(
+        [{"task_id": 600, "prompt": "Add two numbers.", "code": "def add(a, b):\n    return a + b"}]))
+    sources = [s for s in prompts.PROMPT_SOURCES if s != "gsm8k"]  # gsm8k is only the benchmark's own file
+    assert prompts.training_prompts(str(tmp_path), sources, num_math=10, num_talk=10, num_docs=10)
+    files = sorted(p.name for p in data.glob("*.json"))
+    assert files and sorted({p.name for p in read if p.parent == data}) == files
+
+    def names(maker) -> set[str]:
+        """The names a maker's expressions use: its let bindings' and its templates' {fields}."""
+        if isinstance(maker, list):
+            return set().union(*map(names, maker))
+        if isinstance(maker, dict):
+            exprs = list(maker.get("let", {}).values())
+            return names(maker["text"]) | {n.id for e in exprs for n in ast.walk(ast.parse(e))
+                                           if isinstance(n, ast.Name)}
+        fields = [f for _, f, _, _ in string.Formatter().parse(maker) if f]
+        return {n.id for f in fields for n in ast.walk(ast.parse(f)) if isinstance(n, ast.Name)}
+
+    for name in files:
+        content = json.loads((data / name).read_text())
+        makers = content.get("makers", [])
+        used = names(list(makers.values()) if isinstance(makers, dict) else makers)
+        assert not set(content.get("words", {})) - used, name
