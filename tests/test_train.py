@@ -214,6 +214,122 @@ def test_extra_data_is_mixed_in_at_the_requested_share(tmp_path, monkeypatch):
         train.train(args, target=model)
 
 
+def _tiny_target_dir(root):
+    """A tiny random Llama target saved with the character tokenizer (it has a chat template): a --target directory."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    model = tiny_target("llama", vocab=64, hidden=32, layers=3)
+    model.save_pretrained(root / "target")
+    tiny_tokenizer(64).save_pretrained(root / "target")
+    return model, root / "target"
+
+
+def _tiny_data_dir(root):
+    """The ../shared/data layout with a few rows a file: what `run` reads (GSM8K train as a prompt source, every
+    evaluation set to filter generated prompts against, GSM8K test for tau)."""
+    import gzip
+
+    d = root / "data"
+    for sub in ("gsm8k", "math500", "humaneval", "mbpp", "mt_bench"):
+        (d / sub).mkdir(parents=True)
+    ask = "Tom has {} apples and eats {}. How many are left?"
+    (d / "gsm8k" / "train.jsonl").write_text("".join(json.dumps({"question": ask.format(n, 2)}) + "\n" for n in range(5, 40)))
+    (d / "gsm8k" / "test.jsonl").write_text("".join(json.dumps({"question": ask.format(n, 3)}) + "\n" for n in range(5, 9)))
+    (d / "math500" / "test.jsonl").write_text(json.dumps({"question": "What is 2 + 2?"}) + "\n")
+    with gzip.open(d / "humaneval" / "HumanEval.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
+    (d / "mbpp" / "sanitized-mbpp.json").write_text(json.dumps([{"task_id": 11, "prompt": "Add two numbers."}]))
+    (d / "mt_bench" / "question.jsonl").write_text(json.dumps({"turns": ["Write a haiku about rain."]}) + "\n")
+    return d
+
+
+def test_run_on_a_tiny_target_keeps_its_budget_and_writes_a_lossless_drafter(tmp_path, capsys):
+    """`run` does the whole recipe within its budget plus 10%, prints one progress line per phase with the time left,
+    and the drafter it writes loads from its files and decodes exactly the target's greedy output."""
+    import time
+
+    model, target_dir = _tiny_target_dir(tmp_path)
+    minutes = 0.25
+    start = time.monotonic()
+    train.main(["run", "--minutes", str(minutes), "--out", str(tmp_path / "run"), "--target", str(target_dir),
+                "--data-dir", str(_tiny_data_dir(tmp_path)), "--sources", "gsm8k,chat", "--self-instruct", "16",
+                "--max-new-tokens", "32", "--batch-seqs", "4", "--threads", "1"])
+    wall = time.monotonic() - start
+    assert wall <= 1.1 * minutes * 60, wall
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[run]")]
+    assert [line.split(":")[0] for line in lines] == ["[run] " + p for p in ("load", "prompts", "responses", "train", "tau")]
+    assert all(line.endswith("s left") for line in lines)
+    report = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert set(report["tau_by_task"]) == {"chat-heldout", "gsm8k"}
+    assert all(r["prompts"] >= 1 and r["tau"] >= 1 for r in report["tau_by_task"].values())
+    shard = torch.load(sorted((tmp_path / "run" / "data").glob("shard_*.pt"))[0])
+    assert "features" not in shard  # ids only: the features came from the target at each training step
+    loaded = DFlash2Drafter.from_pretrained(tmp_path / "run" / "drafter", dtype=torch.float32)
+    target = sd.Target(model, loaded.config.target_layer_ids)
+    for prompt in ([3, 5, 9, 4], [7, 1, 1, 2, 8, 30]):
+        res = sd.generate(target, loaded, [prompt], max_new_tokens=24)[0]
+        ar = sd.generate(target, None, [prompt], method="ar", max_new_tokens=24)[0]
+        assert res.tokens == ar.tokens
+
+
+def test_device_cuda_without_cuda_is_a_usage_error(monkeypatch, capsys):
+    """--device cuda on a machine without CUDA: one line on stderr and exit 2, before any target loads."""
+    import pytest
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(train, "load_target", lambda *a, **k: pytest.fail("a target loaded"))
+    for cmd in (["data"], ["prompts", "--kind", "self-instruct", "--out", "x.jsonl"], ["train"],
+                ["run", "--minutes", "1", "--out", "x"]):
+        with pytest.raises(SystemExit) as e:
+            train.main([*cmd, "--device", "cuda"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "no CUDA device" in err and len(err.strip().splitlines()) == 1, (cmd, err)
+
+
+def test_features_from_the_target_equal_the_stored_ones(tmp_path):
+    """Training without feature shards (`data --no-features`, `run`) computes the same context features from the
+    frozen target as generation stores."""
+    model, rows, _ = _tiny_setup(tmp_path, n_seqs=3)
+    seqs = [(i, f, 4) for i, f in rows]
+    feats = train.target_features(model, seqs, [0, 2], bf16=False)
+    for s, (_, f, _) in enumerate(seqs):
+        assert torch.allclose(feats[s, : len(f)], f.float(), atol=0.05 * f.float().abs().max().item())
+    # and the batch built from them is the one built from the shards, up to bf16 storage
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    a, b = train.make_batch(seqs, 4, 5, 63, g1), train.make_batch(seqs, 4, 5, 63, g2, features=feats)
+    assert all(torch.equal(x, y) for x, y in zip(a[1:], b[1:]))
+
+
+def test_torchrun_trains_data_parallel_on_two_cpu_processes(tmp_path):
+    """`torchrun --nproc_per_node 2 -m dflash2.train train --device cpu` (gloo): both ranks train, rank 0 writes a
+    loadable drafter, and it differs from a one-process run with the same seed (the other rank's gradients count)."""
+    import os
+    import subprocess
+    import sys
+
+    _, target_dir = _tiny_target_dir(tmp_path)
+    _, _, args = _tiny_setup(tmp_path)
+    (tmp_path / "data" / "meta.json").write_text(json.dumps({"target": str(target_dir), "taps": [0, 2]}))
+    flags = ["--steps", "3", "--batch-seqs", "2", "--anchors", "4", "--block-size", "4", "--layers", "1",
+             "--intermediate-size", "32", "--rank", "8", "--top-k", "4", "--mask-token-id", "63", "--no-bf16",
+             "--threads", "1", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(train.__file__).parents[1])}
+    printed = {}
+    for out, launch in (("ddp", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]),
+                        ("one", [sys.executable])):
+        (tmp_path / out).mkdir()
+        (tmp_path / out / "data").symlink_to(tmp_path / "data")
+        done = subprocess.run([*launch, "-m", "dflash2.train", "train", "--out", str(tmp_path / out), *flags],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        printed[out] = done.stdout
+    assert "on each of 2 processes" in printed["ddp"] and "processes" not in printed["one"]
+    ddp = DFlash2Drafter.from_pretrained(tmp_path / "ddp" / "drafter", dtype=torch.float32)
+    one = DFlash2Drafter.from_pretrained(tmp_path / "one" / "drafter", dtype=torch.float32)
+    assert len(json.loads((tmp_path / "ddp" / "history.json").read_text())) == 3
+    assert not all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), one.state_dict().values()))
+
+
 def test_training_prompts_never_contain_evaluation_text():
     """Every prompt source is built without the test sets: no GSM8K test question, MATH-500 problem,
     HumanEval prompt, MBPP test task or MT-Bench turn appears in any training prompt."""
