@@ -17,8 +17,9 @@ import traceback
 import warnings
 from pathlib import Path
 
-from dflash2.settings import (DEFAULT_DRAFT, DEFAULT_TARGET, DTYPE_NAMES, METHODS, HelpFormatter, InputError,
-                              LoadError, check_sampling_params, drafter_block_size)
+from dflash2.settings import (DEFAULT_DRAFT, DEFAULT_TREE_BUDGET, DEFAULT_TARGET, DTYPE_NAMES, METHODS, HelpFormatter, InputError,
+                              TREE_SCORES, LoadError, check_block_size, check_sampling_params, check_tree_settings,
+                              drafter_block_size, one_line)
 
 
 class Parser(argparse.ArgumentParser):
@@ -38,7 +39,12 @@ def build_parser():
                    help="target model: directory or hub id (default: the embedded SmolLM2-135M-Instruct, %(default)s)")
     p.add_argument("--draft", default=DEFAULT_DRAFT.name, help="drafter: directory or hub id (default: the embedded %(default)s)")
     p.add_argument("--method", choices=METHODS, default="dflash2",
-                   help="dflash2: selector walk; dflash: per-slot argmax (v1); ar: plain decoding")
+                   help="dflash2: selector walk; dflash: per-slot argmax (v1); ar: plain decoding; dflash2-tree: "
+                        "verify a tree of the top-K candidates (docs/SPEC.md §9)")
+    p.add_argument("--tree-budget", type=int,
+                   help="dflash2-tree: nodes per tree (default: 8 on CPU, 32 on CUDA, settings.DEFAULT_TREE_BUDGET)")
+    p.add_argument("--tree-scores", choices=TREE_SCORES, default="selector",
+                   help="dflash2-tree path scores: selector (the walk's conditional law) or marginal (DDTree's)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -81,14 +87,23 @@ def check_args(args):
                          .replace("top_k", "--top-k")) from e
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    try:
+        check_tree_settings(args.tree_budget, args.tree_scores)
+    except ValueError as e:
+        raise InputError(str(e).replace("tree_budget", "--tree-budget")) from e
     if not args.atol >= 0:
         raise InputError(f"--atol must be >= 0, got {args.atol}")
     if args.check_trace is None and args.method != "ar":
-        if args.block_size is not None and args.block_size < 2:
-            raise InputError(f"--block-size must be >= 2 (anchor + at least one draft), got {args.block_size}")
-        largest = drafter_block_size(args.draft)  # config.json only; None for a hub id (checked after loading)
-        if largest is not None and args.block_size is not None and args.block_size > largest:
-            raise InputError(f"--block-size {args.block_size} is larger than the drafter's block size {largest}")
+        largest = drafter_block_size(args.draft)  # config.json only; a hub id's is checked after loading
+        if args.block_size is not None:
+            check_block_size_arg(args.block_size, largest)
+
+
+def check_block_size_arg(block_size, largest):
+    try:
+        check_block_size(block_size, largest)
+    except ValueError as e:
+        raise InputError(str(e).replace("block_size", "--block-size")) from e
 
 
 def read_prompt(args):
@@ -112,8 +127,8 @@ def torch_settings(args):
     """(device, dtype) once torch is imported: the device must be usable here."""
     import torch
 
-    from dflash2 import model
-    from dflash2.pair import DTYPES, one_line
+    from dflash2.kernels import check_attn_backend
+    from dflash2.pair import DTYPES
 
     try:
         device = torch.device(args.device)
@@ -122,7 +137,7 @@ def torch_settings(args):
         raise InputError(f"--device {args.device!r} is not usable here: {one_line(e)}") from e
     if args.attn_backend is not None:
         try:
-            model.check_attn_backend(args.attn_backend, device, compiled=args.compile)
+            check_attn_backend(args.attn_backend, device, compiled=args.compile)
         except ValueError as e:
             raise InputError(f"--attn-backend: {e}") from e
     dtype = DTYPES[args.dtype] if args.dtype else torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -134,11 +149,13 @@ def decode_settings(args, pair, stops):
     block = None
     if args.method != "ar":
         block = args.block_size or pair.drafter.config.block_size
-        if block > pair.drafter.config.block_size:
-            raise InputError(f"--block-size {block} is larger than the drafter's block size "
-                             f"{pair.drafter.config.block_size}")
-    return dict(method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=stops, block_size=block)
+        check_block_size_arg(block, pair.drafter.config.block_size)
+    settings = dict(method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=stops, block_size=block)
+    if args.method == "dflash2-tree":
+        budget = args.tree_budget or DEFAULT_TREE_BUDGET.get(pair.device.type, DEFAULT_TREE_BUDGET["cuda"])
+        settings.update(tree_budget=budget, tree_scores=args.tree_scores)
+    return settings
 
 
 class Stream:
@@ -178,8 +195,8 @@ def decode_main(args):
     quiet_libraries()
     from tqdm import tqdm
 
-    from dflash2 import model, spec_decode as sd
-    from dflash2.pair import DTYPES, encode_prompt, load_pair
+    from dflash2 import spec_decode as sd
+    from dflash2.pair import DTYPES, encode_prompt, load_pair, stop_token_ids
     from dflash2.trace import run
 
     device, dtype = torch_settings(args)
@@ -187,7 +204,7 @@ def decode_main(args):
                      draft_dtype=DTYPES[args.draft_dtype] if args.draft_dtype else None, prepack=not args.no_prepack,
                      attn_backend=args.attn_backend)
     prompt = encode_prompt(pair.tokenizer, text, args.system, chat=not args.no_chat_template)
-    settings = decode_settings(args, pair, model.stop_token_ids(pair.model, pair.tokenizer))
+    settings = decode_settings(args, pair, stop_token_ids(pair.target.model, pair.tokenizer))
     if args.compile:  # compile at the edge; the loop itself stays plain Python
         sd.compile_core(pair.target, pair.drafter)
         settings["static"] = True
@@ -210,7 +227,8 @@ def decode_main(args):
                   "tokens) ...", file=sys.stderr)
         with tqdm(total=args.max_new_tokens, desc="ar baseline", unit="tok", file=sys.stderr, leave=False,
                   disable=stream is None) as bar:
-            (ar,), ar_seconds, _ = run(pair, [prompt], dict(settings, method="ar", block_size=None),
+            ar_settings = {k: v for k, v in settings.items() if not k.startswith("tree_")}
+            (ar,), ar_seconds, _ = run(pair, [prompt], dict(ar_settings, method="ar", block_size=None),
                                        on_emit=lambda request, tokens: bar.update(len(tokens)))
         report.update(ar_text=pair.tokenizer.decode(ar.tokens, skip_special_tokens=True),
                       ar_tokens_per_s=len(ar.tokens) / ar_seconds,
@@ -242,10 +260,6 @@ def check_trace_main(args):
                               args.draft if args.draft != DEFAULT_DRAFT.name else None, device, args.atol)
     print(line)
     return 0 if agree else 1
-
-
-def one_line(e):
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 def main(argv=None):

@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .kernels import prepack_linears
-from .model import DEFAULT_DRAFT, DFlash2Drafter, check_attn_backend, load_target, stop_token_ids
 from . import spec_decode
-from .spec_decode import METHODS, Target, compile_core, generate
+from .kernels import check_attn_backend, prepack_linears
+from .model import DFlash2Drafter
+from .pair import load_target, stop_token_ids
 from .prompts import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
-from .settings import HelpFormatter
+from .settings import DEFAULT_DRAFT, METHODS, TREE_SCORES, HelpFormatter
+from .spec_decode import Result, Target, compile_core, generate
 
 # task: (file under --data-dir, hub (path, config, split), the prompt text of one row)
 SOURCES = {
@@ -118,7 +119,7 @@ def synthetic_pair(name, layers, device, dtype, draft_dtype, attn_backend, prepa
     from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
 
-    from .model import DFlash2Config
+    from .checkpoint import DFlash2Config
 
     shape = dict(SYNTHETIC[name])
     dense, default_layers = shape.pop("dense_layers"), shape.pop("layers")
@@ -206,9 +207,24 @@ def alternate(target, drafter, prompts, args, stop_ids, eager, compiled):
     return rows
 
 
+def method_settings(label, args):
+    """generate()'s method arguments for one of our method labels: dflash2-tree@N is the tree at budget N."""
+    if label.startswith("dflash2-tree"):
+        budget = int(label.split("@")[1]) if "@" in label else None
+        return dict(method="dflash2-tree", tree_budget=budget, tree_scores=args.tree_scores)
+    return dict(method=label)
+
+
 def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, desc, timings=None):
     """Decode prompts with `concurrency` requests in flight (a finished request's row takes the next
-    prompt at once); returns the Results and the wall time."""
+    prompt at once); returns the Results and the wall time. With timings: seconds per phase (prefill,
+    drafter, selector, verify = the target's decode forwards, bookkeeping = the rest of the wall time),
+    measured by wrapping the loop's step functions."""
+    meter = CallMeter(timings, target.device)
+    if timings is not None:
+        for name, phase in (("_prefill", "prefill"), ("draft", "drafter"), ("select_path", "selector")):
+            meter.watch(spec_decode, name, phase)
+        meter.watch(target, "forward", "verify")
     bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False)
     emitted = [0] * len(prompts)
 
@@ -218,14 +234,19 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
             bar.update(1)
 
     start = time.perf_counter()
-    results = generate(target, drafter, prompts, method=method, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                       stop_ids=stop_ids, block_size=args.block_size, static=args.compile, timings=timings,
-                       on_emit=on_emit, max_batch=concurrency)
-    if target.device.type == "cuda":
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    bar.close()
+    try:
+        results = generate(target, drafter, prompts, **method_settings(method, args), max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                           stop_ids=stop_ids, block_size=args.block_size, static=args.compile, on_emit=on_emit,
+                           max_batch=concurrency)
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    finally:
+        meter.close()
+        bar.close()
+    if timings is not None:
+        timings["bookkeeping"] = wall - sum(timings.values())
     return results, wall
 
 
@@ -264,25 +285,13 @@ def load_zlab(draft, model, prepack):
     return (zmodel, dflash_generate), None
 
 
-class PeerResult:
-    """A peer's output for one request: its tokens and how many times the target ran (the prefill first)."""
-
-    def __init__(self, tokens, verify_steps):
-        self.tokens, self.verify_steps = tokens, verify_steps
-
-    @property
-    def acceptance_length(self):
-        """Tokens per decode step, the prefill's token excluded (as spec_decode.Result); None without a decode step."""
-        steps = self.verify_steps - 1
-        return (len(self.tokens) - 1) / steps if steps > 0 else None
-
-
 class CallMeter:
     """Counts the target's forwards (a peer's verification steps, the prefill first) and, with timings, adds
-    the seconds spent in each watched callable to its phase; the target's first call of a request is its prefill."""
+    the seconds spent in each watched callable to its phase; the target's first call of a request is its prefill.
+    A watched call made inside another counts toward the outer one's phase (a prefill's target forward)."""
 
     def __init__(self, timings, device):
-        self.timings, self.device, self.calls, self._undo = timings, device, 0, []
+        self.timings, self.device, self.calls, self._undo, self._depth = timings, device, 0, [], 0
 
     def _now(self):
         if self.device.type == "cuda":
@@ -310,10 +319,14 @@ class CallMeter:
         fn = getattr(obj, name)
 
         def timed(*args, **kwargs):
+            if self._depth:
+                return fn(*args, **kwargs)
             start = self._now()
+            self._depth += 1
             try:
                 return fn(*args, **kwargs)
             finally:
+                self._depth -= 1
                 self._add(phase, self._now() - start)
 
         had = name in vars(obj)  # a class's own method (restored), or a bound method shadowed on the instance
@@ -327,7 +340,7 @@ class CallMeter:
 
 
 def run_peer(model, method, prompts, args, stop_ids, desc, timings=None, zlab=None, max_new_tokens=None):
-    """Decode prompts one at a time with a peer on the target object `model`; returns PeerResults and the wall
+    """Decode prompts one at a time with a peer on the target object `model`; returns Results and the wall
     time. With timings: seconds per phase (prefill, drafter = a draft forward or prompt lookup's search,
     selector, verify = the target's other forwards, bookkeeping = the rest of the wall time)."""
     max_new_tokens = max_new_tokens or args.max_new_tokens
@@ -361,7 +374,7 @@ def run_peer(model, method, prompts, args, stop_ids, desc, timings=None, zlab=No
                                       top_p=args.top_p, top_k=args.top_k, block_size=args.block_size)
             else:
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), **hf)
-            results.append(PeerResult(out[0, len(prompt):].tolist(), meter.calls))
+            results.append(Result(out[0, len(prompt):].tolist(), meter.calls))
             bar.update(1)
         if model.device.type == "cuda":
             torch.cuda.synchronize()
@@ -380,7 +393,7 @@ def mean_tau(results):
     return statistics.mean(taus) if taus else None
 
 
-PHASES = ["drafter", "selector", "verify", "bookkeeping"]  # the phases generate(timings=...) times in each step
+PHASES = ["drafter", "selector", "verify", "bookkeeping"]  # the phases run_method's profile times in each step
 
 
 def step_ms(results, timings):
@@ -597,9 +610,14 @@ def build_parser():
     ap.add_argument("--tasks", type=_names(ALL_TASKS), default=list(TASKS),
                     help=f"comma-separated, of {','.join(ALL_TASKS)} (default: the five tasks of the model card)")
     ap.add_argument("--methods", type=_names(METHODS + PEERS), default=["ar", "dflash", "dflash2"],
-                    help="ours (ar, dflash, dflash2) and peers on the same target object: hf (transformers "
+                    help="ours (ar, dflash, dflash2, dflash2-tree) and peers on the same target object: hf (transformers "
                          "generate), hf-pld (its prompt lookup decoding), zlab (the authors' dflash_generate, "
                          "PyPI dflash==0.1.0); peers run at concurrency 1 only")
+    ap.add_argument("--tree-budget", type=_ints, default=None,
+                    help="dflash2-tree's node budgets, e.g. 4,8,16: one method dflash2-tree@N per budget "
+                         "(default: the device's, settings.DEFAULT_TREE_BUDGET)")
+    ap.add_argument("--tree-scores", choices=TREE_SCORES, default="selector",
+                    help="dflash2-tree's path scores: the selector's conditional law, or DDTree's per-slot marginals")
     ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="requests in flight, e.g. 1,8,32")
     ap.add_argument("--num-prompts", type=int, default=16, help="the first N prompts of each task")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per request")
@@ -648,6 +666,9 @@ def main(argv=None):
         raise SystemExit("--alternate N needs N >= 1 and --compile (it alternates eager and compiled runs)")
     if args.pld_sweep:
         args.methods, args.concurrency = ["hf-pld"], [1]
+    if args.tree_budget and "dflash2-tree" in args.methods:  # one method per budget, side by side
+        i = args.methods.index("dflash2-tree")
+        args.methods[i : i + 1] = [f"dflash2-tree@{n}" for n in args.tree_budget]
     peers = [m for m in args.methods if m in PEERS]
     if peers and (args.synthetic or args.alternate or args.compile):
         raise SystemExit(f"--methods {','.join(peers)}: peers run on a real pair, eager (not with --synthetic, "
@@ -674,7 +695,7 @@ def main(argv=None):
         texts = load_tasks(args.tasks, args.data_dir, args.num_prompts)
         model, tokenizer = load_target(args.target, device=args.device, dtype=dtype, prepack=not args.no_prepack)
         drafter = None
-        if any(m in METHODS and m != "ar" for m in args.methods):
+        if any(method_settings(m, args)["method"] in METHODS and m != "ar" for m in args.methods):
             drafter = DFlash2Drafter.from_pretrained(args.draft, device=args.device, dtype=draft_dtype,
                                                      attn_backend=args.attn_backend)
         if drafter is not None and not args.no_prepack:
@@ -701,7 +722,8 @@ def main(argv=None):
             if not (m == "zlab" and zlab is None):
                 run_peer(model, m, [first], args, stop_ids, f"warm-up {m}", zlab=zlab, max_new_tokens=8)
             continue
-        generate(target, drafter, [first], method=m, max_new_tokens=args.max_new_tokens if args.compile else 8,
+        generate(target, drafter, [first], **method_settings(m, args),
+                 max_new_tokens=args.max_new_tokens if args.compile else 8,
                  block_size=args.block_size, static=args.compile)
 
     if args.alternate:
@@ -709,7 +731,7 @@ def main(argv=None):
         for obj, name, fn in eager:  # warm the eager path up too
             setattr(obj, name, fn)
         for m in args.methods:
-            generate(target, drafter, [first], method=m, max_new_tokens=8, block_size=args.block_size)
+            generate(target, drafter, [first], **method_settings(m, args), max_new_tokens=8, block_size=args.block_size)
         rows = alternate(target, drafter, prompts, args, stop_ids, eager, compiled)
         for r in rows:
             if r["identical_to_ar"] is False:

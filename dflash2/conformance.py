@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from .pair import load_pair
-from .trace import config_record, write_line
+from .trace import config_record, floats, step_record, write_line
 
 PRODUCER = "z-lab dflash==0.1.0 dflash_generate, through dflash2.conformance"
 
@@ -87,11 +87,10 @@ def step_records(request, drafts, verifies):
         accepted = 0
         while accepted < n and block[1 + accepted] == argmax[accepted]:
             accepted += 1
-        records.append(dict(
-            type="step", request=request, step=step, anchor_pos=start, context_len=start, anchor=block[0],
-            drafts=block[1:], candidates=candidates[:n].tolist(),
-            cand_logits=[[float(f"{x:.9g}") for x in row] for row in cand_logits[:n].tolist()],
-            q=None, q_draft=None, target_argmax=argmax, u_accept=None, u_emit=None, num_accepted=accepted,
+        records.append(step_record(
+            request=request, step=step, anchor_pos=start, anchor=block[0], drafts=block[1:],
+            candidates=candidates[:n].tolist(), cand_logits=floats(cand_logits[:n].cpu()), q=None, q_draft=None,
+            target_argmax=argmax, u_accept=None, u_emit=None, num_accepted=accepted,
             out=block[1 : 1 + accepted] + [argmax[accepted]]))
     return records
 
@@ -113,19 +112,19 @@ def write_reference_trace(path, prompts, target=None, draft=None, max_new_tokens
                           device="cpu"):
     """Run their loop on each prompt (lists of token ids) and write one trace of them all, with the
     config record a replay needs: this pair, float32, aten linears, greedy. Returns the records."""
-    from . import model as ours
+    from .pair import stop_token_ids
 
     reference = load_reference()
     pair = load_pair(target, draft, torch.device(device), torch.float32, draft_dtype=torch.float32, prepack=False)
     drafter = load_reference_drafter(pair.draft_dir).to(device)
     block_size = block_size or drafter.block_size
-    stop_ids = ours.stop_token_ids(pair.model, pair.tokenizer)
+    stop_ids = stop_token_ids(pair.target.model, pair.tokenizer)
     settings = dict(method="dflash2", max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0,
                     stop_ids=stop_ids, block_size=block_size)
     records = [dict(config_record(pair, prompts, settings), producer=PRODUCER)]
     results = []
     for request, prompt in enumerate(prompts):
-        steps, result = reference_generate(reference, drafter, pair.model, prompt, max_new_tokens, stop_ids,
+        steps, result = reference_generate(reference, drafter, pair.target.model, prompt, max_new_tokens, stop_ids,
                                            block_size)
         records += [dict(s, request=request) for s in steps]
         results.append(dict(type="result", request=request, **result))

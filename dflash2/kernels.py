@@ -3,7 +3,7 @@ pre-packed oneDNN linears for CPU."""
 import functools
 import itertools
 import weakref
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,17 +38,18 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window, causal=False, kernel_options=None):
+def _flex_block_mask(q_pos, k_pos, k_valid, sliding_window, causal):
+    """drafter_mask as a FlexAttention BlockMask over keys padded to a multiple of FLEX_BLOCK."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    block_start = torch.tensor(k.shape[2] - q.shape[2], device=q.device)  # a tensor: one graph for every length
-    pad = -k.shape[2] % FLEX_BLOCK
+    T, S = q_pos.shape[1], k_pos.shape[1]
+    block_start = torch.tensor(S - T, device=q_pos.device)  # a tensor: one graph for every length
+    pad = -S % FLEX_BLOCK
     if pad:
-        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
         k_pos, k_valid = F.pad(k_pos, (0, pad)), F.pad(k_valid, (0, pad), value=False)
     # The window is a tensor, not a Python int, so every window value shares one compiled graph.
     window = torch.tensor(torch.iinfo(torch.long).max if sliding_window is None else sliding_window,
-                          device=q.device)
+                          device=q_pos.device)
 
     def mask_mod(b, h, i, j):
         seen = k_valid[b, j] & ((q_pos[b, i] - k_pos[b, j]).abs() < window)
@@ -56,28 +57,44 @@ def _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window, causal=False
             seen = seen & (k_pos[b, j] <= q_pos[b, i])
         return seen | (j == block_start + i)
 
-    block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
-    return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
-                                      kernel_options=kernel_options)
+    return create_block_mask(mask_mod, q_pos.shape[0], None, T, S + pad, device=q_pos.device)
+
+
+class AttentionMask(NamedTuple):
+    """The drafter mask in the form a backend takes: a bool tensor (sdpa) or a BlockMask (flex, flash)."""
+
+    backend: str
+    mask: object
+
+
+def attention_mask(q_pos, k_pos, k_valid, sliding_window=None, causal=False, backend="sdpa"):
+    """Build the drafter mask once (see drafter_mask) for every layer of that kind in a forward."""
+    if backend == "sdpa":
+        return AttentionMask(backend, drafter_mask(q_pos, k_pos, k_valid, sliding_window, causal))
+    if backend in ("flex", "flash"):
+        return AttentionMask(backend, _flex_block_mask(q_pos, k_pos, k_valid, sliding_window, causal))
+    raise ValueError(f"unknown attention backend {backend!r}; available: {attention_backends()}")
+
+
+def attend(q, k, v, mask):
+    """softmax(q k^T / sqrt(hd) + mask) v, GQA; q [b, heads, T, hd], k, v [b, kv_heads, S, hd] (context
+    slots, then block slots). "sdpa" is the reference (and supports backward); "flex" is compiled
+    FlexAttention (Triton on CUDA, C++ on CPU); "flash" is FlexAttention lowered to the FlashAttention-4
+    CuTe kernel (Hopper/Blackwell with the flash-attn-4 package)."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask.backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.mask, enable_gqa=gqa)
+    pad = -k.shape[2] % FLEX_BLOCK
+    if pad:
+        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+    options = {"BACKEND": "FLASH"} if mask.backend == "flash" else None
+    return _compiled_flex_attention()(q, k, v, block_mask=mask.mask, enable_gqa=gqa, kernel_options=options)
 
 
 def drafter_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window=None, backend="sdpa", causal=False):
-    """softmax(q k^T / sqrt(hd) + mask) v with the drafter mask (see drafter_mask), GQA.
-
-    q [b, heads, T, hd]; k, v [b, kv_heads, S, hd] (context slots, then block slots);
-    q_pos [b, T], k_pos [b, S] absolute positions; k_valid [b, S] bool.
-    backend "sdpa" is the reference (and supports backward); "flex" is compiled FlexAttention
-    (Triton on CUDA, C++ on CPU); "flash" is FlexAttention lowered to the FlashAttention-4 CuTe
-    kernel (Hopper/Blackwell with the flash-attn-4 package).
-    """
-    if backend == "sdpa":
-        mask = drafter_mask(q_pos, k_pos, k_valid, sliding_window, causal)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-    if backend == "flex":
-        return _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window, causal)
-    if backend == "flash":
-        return _flex_attention(q, k, v, q_pos, k_pos, k_valid, sliding_window, causal, {"BACKEND": "FLASH"})
-    raise ValueError(f"unknown attention backend {backend!r}; available: {attention_backends()}")
+    """attend(q, k, v) under the drafter mask, built for this one call; q_pos [b, T], k_pos [b, S]
+    absolute positions, k_valid [b, S] bool."""
+    return attend(q, k, v, attention_mask(q_pos, k_pos, k_valid, sliding_window, causal, backend))
 
 
 def _has_fa4(device):
@@ -103,6 +120,22 @@ def attention_backends(device=None):
     if _has_fa4(device):
         backends.append("flash")
     return backends
+
+
+def check_attn_backend(backend, device, compiled=False):
+    """The drafter attention backend to use on device: backend if it can run there (inside a compiled
+    drafter when compiled), the device's default when None; else a clear error."""
+    device = torch.device(device)
+    if backend is None:
+        return default_backend(device)
+    available = attention_backends(device)
+    if backend not in available:
+        raise ValueError(f"attention backend {backend!r} cannot run on {device}; available there: "
+                         f"{', '.join(available)} (flash needs an sm90/sm100 GPU and the flash-attn-4 package)")
+    if compiled and backend == "flex" and device.type == "cpu":
+        raise ValueError("attention backend 'flex' cannot be compiled into the drafter on CPU (torch 2.13's CPU "
+                         "inductor has no lowering for it there); use sdpa with --compile")
+    return backend
 
 
 def default_backend(device):

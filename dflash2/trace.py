@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from . import spec_decode as sd
-from .pair import DTYPES, load_pair, one_line
-from .settings import InputError
+from .pair import DTYPES, load_pair
+from .settings import InputError, one_line
 
 # /2: a block shrinks to what is left of the budget (per-slot lists are that long), and results carry
 # acceptance_length on the authors' definition. /1 traces drafted full blocks to the end.
@@ -75,7 +75,7 @@ def config_record(pair, prompts, settings):
     return dict(type="config", format=TRACE_FORMAT, target=target, draft=draft,
                 dtype=str(pair.dtype).removeprefix("torch."), device=str(pair.device),
                 draft_dtype=None if pair.drafter is None else str(next(pair.drafter.parameters()).dtype).removeprefix("torch."),
-                prepacked=pair.prepacked, **settings,
+                prepacked=pair.target.prepacked, **settings,
                 prompts=[list(p) for p in prompts])
 
 
@@ -84,21 +84,55 @@ def floats(t):
     return [floats(x) for x in t] if t.dim() else float(f"{t.item():.9g}")
 
 
+def step_record(request, step, anchor_pos, anchor, drafts, candidates, cand_logits, q, q_draft, target_argmax,
+                u_accept, u_emit, num_accepted, out):
+    """One step record of the trace schema (docs/TRACE.md); floats as lists of 9-digit numbers."""
+    return dict(type="step", request=request, step=step, anchor_pos=anchor_pos,
+                context_len=anchor_pos,  # the drafter attends to every position before its anchor
+                anchor=anchor, drafts=drafts, candidates=candidates, cand_logits=cand_logits, q=q, q_draft=q_draft,
+                target_argmax=target_argmax, u_accept=u_accept, u_emit=u_emit, num_accepted=num_accepted, out=out)
+
+
+def tree_step_records(rec):
+    """Per-request dicts of one dflash2-tree step: the tree's valid nodes (entry i + 1 of [anchor, nodes]:
+    parent entry, token, depth, path score), the accepted path's entries, the target's argmax or draw
+    y at each entry from the anchor down the path, its uniforms there (sampling), num_accepted and out."""
+    tree, n_acc = rec["tree"], rec["num_accepted"].tolist()
+    valid = tree.valid.sum(-1).tolist()
+    parents, tokens, depth = tree.parents.tolist(), tree.tokens.tolist(), tree.depth.tolist()
+    scores, path, out = tree.scores.float().cpu(), rec["path"].tolist(), rec["out"].tolist()
+    walked = torch.cat([torch.zeros_like(rec["path"][:, :1]), rec["path"].clamp(min=0)], 1)  # entries, anchor first
+    y = rec["y"].gather(1, walked).tolist()
+    u = None if rec["u_tree"] is None else rec["u_tree"].gather(1, walked).cpu()
+    anchor_pos, anchor = rec["anchor_pos"].tolist(), rec["anchor"].tolist()
+    records = []
+    for r, request in enumerate(rec["requests"]):
+        k, a = valid[r], n_acc[r]
+        records.append(dict(
+            type="tree_step", request=request, step=rec["steps"][r], anchor_pos=anchor_pos[r],
+            context_len=anchor_pos[r], anchor=anchor[r], tree_parents=parents[r][:k], tree_tokens=tokens[r][:k],
+            tree_depth=depth[r][:k], tree_scores=floats(scores[r, :k]), path=path[r][:a], target_y=y[r][: a + 1],
+            u_tree=None if u is None else floats(u[r, : a + 1]), num_accepted=a, out=out[r][: a + 1]))
+    return records
+
+
 def step_records(rec):
     """Split one generate() trace record (tensors batched over the live rows) into per-request dicts."""
+    if "tree" in rec:
+        return tree_step_records(rec)
     n_acc = rec["num_accepted"].tolist()
     drafts = rec["drafts"].cpu()
     cands = None if rec["candidates"] is None else [t.cpu() for t in rec["candidates"]]
     sampled = rec["u_accept"] is not None
     q = rec["q"].float().cpu() if sampled else None
     argmax, out = rec["target_argmax"].tolist(), rec["out"].tolist()
+    anchor_pos, anchor, sizes = rec["anchor_pos"].tolist(), rec["anchor"].tolist(), rec["sizes"].tolist()
     records = []
     for r, request in enumerate(rec["requests"]):
-        n = rec["sizes"][r] - 1  # this step's draft slots: the block may be cut short at the end of the budget
-        records.append(dict(
-            type="step", request=request, step=rec["steps"][r], anchor_pos=rec["anchor_pos"][r],
-            context_len=rec["anchor_pos"][r],  # the drafter attends to every position before its anchor
-            anchor=rec["anchor"][r], drafts=drafts[r, :n].tolist(),
+        n = sizes[r] - 1  # this step's draft slots: the block may be cut short at the end of the budget
+        records.append(step_record(
+            request=request, step=rec["steps"][r], anchor_pos=anchor_pos[r], anchor=anchor[r],
+            drafts=drafts[r, :n].tolist(),
             candidates=None if cands is None else cands[0][r, :n].tolist(),
             cand_logits=None if cands is None else floats(cands[1][r, :n].float()),
             q=None if q is None or cands is None else floats(q[r, :n].gather(-1, cands[0][r, :n])),
@@ -117,10 +151,15 @@ def result_record(request, res):
 
 # --- check: replay a trace through this reference and find where they part ---
 
-FLOAT_FIELDS = ("cand_logits", "q", "q_draft", "u_accept", "u_emit")
+FLOAT_FIELDS = ("cand_logits", "q", "q_draft", "u_accept", "u_emit", "tree_scores", "u_tree")
 SLOT_FIELDS = ("drafts", "candidates", "cand_logits", "q", "q_draft", "u_accept")  # index j is draft slot j+1
+STEP_TYPES = ("step", "tree_step")
+NODE_FIELDS = ("tree_parents", "tree_tokens", "tree_depth", "tree_scores")  # index i is tree entry i+1
+# The order fields are compared in: the first divergence in data-flow order. Fields not named here
+# (another implementation's extras) are compared after these, so no recorded field goes unchecked.
 STEP_FIELDS = ("anchor_pos", "context_len", "anchor", "candidates", "cand_logits", "drafts", "q", "q_draft",
-               "target_argmax", "u_accept", "u_emit", "num_accepted", "out")
+               "tree_parents", "tree_tokens", "tree_depth", "tree_scores", "target_argmax", "target_y", "u_accept",
+               "u_emit", "u_tree", "path", "num_accepted", "out")
 
 
 def read_trace(path):
@@ -158,6 +197,9 @@ def describe(request, step, field, path, ref, got, atol):
     if path and field in SLOT_FIELDS:
         where += f" slot {path[0] + 1}"
         path = path[1:]
+    elif path and field in NODE_FIELDS:
+        where += f" node {path[0] + 1}"
+        path = path[1:]
     index = "".join(f"[{i}]" for i in path)
     line = f"{where} field {field}{index}: reference {ref} vs trace {got}"
     if field in FLOAT_FIELDS and isinstance(ref, (int, float)) and isinstance(got, (int, float)):
@@ -167,18 +209,20 @@ def describe(request, step, field, path, ref, got, atol):
 
 def compare_traces(ref_records, trace_records, atol):
     """The first divergence between a replayed trace and a recorded one, as one line, or None."""
-    ref_steps = {(r["request"], r["step"]): r for r in ref_records if r["type"] == "step"}
+    ref_steps = {(r["request"], r["step"]): r for r in ref_records if r["type"] in STEP_TYPES}
     seen = set()
     for rec in trace_records:
-        if rec.get("type") != "step":
+        if rec.get("type") not in STEP_TYPES:
             continue
         key = (rec["request"], rec["step"])
         seen.add(key)
         if key not in ref_steps:
             return f"request {key[0]} step {key[1]}: the trace has this step, the reference finished before it"
-        for field in STEP_FIELDS:
+        ref = ref_steps[key]
+        extra = sorted((set(ref) | set(rec)) - set(STEP_FIELDS) - {"type", "request", "step"})
+        for field in ("type",) + STEP_FIELDS + tuple(extra):
             tol = atol if field in FLOAT_FIELDS else 0
-            diff = first_difference(ref_steps[key].get(field), rec.get(field), tol)
+            diff = first_difference(ref.get(field), rec.get(field), tol)
             if diff is not None:
                 return describe(*key, field, *diff, atol)
     for key in sorted(set(ref_steps) - seen):
@@ -208,7 +252,7 @@ def check_trace(path, target=None, draft=None, device="cpu", atol=1e-4, log=sys.
         if directory is not None and recorded and sha256_files(directory) != recorded["sha256"]:
             print(f"note: the {role} files differ from the trace's (sha256)", file=log)
     settings = {k: cfg[k] for k in ("method", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                                     "stop_ids", "block_size")}
+                                     "stop_ids", "block_size", "tree_budget", "tree_scores") if k in cfg}
     replay = []
 
     def trace(rec):
@@ -219,5 +263,5 @@ def check_trace(path, target=None, draft=None, device="cpu", atol=1e-4, log=sys.
     divergence = compare_traces(replay, records[1:], atol)
     if divergence is not None:
         return False, f"divergence: {divergence}"
-    steps = sum(r["type"] == "step" for r in replay)
+    steps = sum(r["type"] in STEP_TYPES for r in replay)
     return True, f"agree: {steps} steps of {len(results)} request(s) match (atol {atol:g})"

@@ -24,9 +24,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import dflash2_ref  # noqa: E402
-from dflash2.pair import encode_prompt, load_pair  # noqa: E402
+from dflash2.pair import encode_prompt, load_pair, stop_token_ids  # noqa: E402
 from dflash2.trace import run  # noqa: E402
-from dflash2 import model  # noqa: E402
 from targets import reference_greedy, tiny_drafter, tiny_target  # noqa: E402
 
 GOLDEN = HERE / "golden"
@@ -110,7 +109,7 @@ def write_traces(directory):
     pair = load_pair(str(directory / "target"), str(directory / "draft"), torch.device("cpu"), torch.float32)
     pair.target_id, pair.draft_id = target_id, draft_id
     prompts = [encode_prompt(pair.tokenizer, p) for p in PROMPTS]
-    stops = model.stop_token_ids(pair.model, pair.tokenizer)
+    stops = stop_token_ids(pair.target.model, pair.tokenizer)
     for name, settings in TRACES.items():
         settings = dict(dict(max_new_tokens=24, top_k=0, top_p=1.0, seed=0, stop_ids=stops,
                              block_size=pair.drafter.config.block_size), **settings)

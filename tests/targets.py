@@ -7,11 +7,27 @@ from transformers import LlamaConfig, LlamaForCausalLM, MiniMaxM2Config, MiniMax
 from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
 from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
 
-from dflash2.model import DFlash2Drafter, tiny_glm_config
+from dflash2.checkpoint import DFlash2Config
+from dflash2.model import DFlash2Drafter
 
 ARCHS = ("llama", "minimax_m2", "minimax_m3")
 # The benchmark data (the ../shared/data layout), for the tests that read it; an absolute value replaces the root.
 DATA_DIR = Path(__file__).resolve().parents[1] / os.environ.get("DFLASH2_DATA_DIR", "../shared/data")
+
+
+def tiny_glm_config(**overrides):
+    """GLM-5.3-Flash-DFlash2 (SPEC §2) shrunk for tests: same structure (5 layers, 5 taps, sliding
+    layers, GQA 4:1, block 8, mask id near the end of the vocab), tiny dims, float32."""
+    base = dict(
+        hidden_size=64, intermediate_size=192, num_hidden_layers=5, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, num_target_layers=9,
+        target_layer_ids=[1, 3, 5, 6, 8], mask_token_id=488, rms_norm_eps=1e-5, rope_theta=1e4,
+        max_position_embeddings=4096, layer_types=["sliding_attention"] * 5, sliding_window=16,
+        use_sliding_window=True, dtype="float32", block_size=8, conv_kernel_size=2, conv_group_size=16,
+        selector_rank=16, selector_top_k=4,
+    )
+    base.update(overrides)
+    return DFlash2Config(**base).validate()
 
 
 def tiny_target(arch, vocab=64, hidden=32, layers=3, seed=0, dtype=torch.float32):

@@ -319,3 +319,24 @@ def test_pld_sweep_times_each_setting(tiny_pair, tmp_path, capsys):
 def test_peers_refuse_settings_they_have_no_meaning_in(tmp_path):
     with pytest.raises(SystemExit, match="peers run on a real pair"):
         bench.main(["--synthetic", "tiny", "--methods", "ar,hf", "--out", str(tmp_path / "x.json")])
+
+
+def test_profile_times_every_phase_without_timers_in_the_loop():
+    """--profile wraps the loop's step functions: every phase gets time, the wrappers come off after the
+    run, and the output is the same as without the profile."""
+    import argparse
+
+    from dflash2 import spec_decode as sd
+
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model)
+    target = sd.Target(model, drafter.config.target_layer_ids)
+    args = argparse.Namespace(max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=0, block_size=None,
+                              compile=False)
+    plain, _ = bench.run_method(target, drafter, [[1, 2]], "dflash2", 1, args, [], "plain")
+    timings = {}
+    profiled, wall = bench.run_method(target, drafter, [[1, 2]], "dflash2", 1, args, [], "profiled", timings)
+    assert set(timings) == {"prefill", "drafter", "selector", "verify", "bookkeeping"}
+    assert all(v > 0 for v in timings.values()) and abs(sum(timings.values()) - wall) < 1e-9
+    assert [r.tokens for r in profiled] == [r.tokens for r in plain]
+    assert "forward" not in vars(target) and sd.draft.__name__ == "draft" and sd._prefill.__name__ == "_prefill"

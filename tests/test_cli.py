@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import dflash2_ref
-from dflash2 import model, settings
-from dflash2.model import DFlash2Drafter, tiny_glm_config
+from dflash2 import settings
+from dflash2.model import DFlash2Drafter
+from targets import tiny_glm_config
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
@@ -153,7 +154,7 @@ def test_every_option_is_documented_with_its_default():
         text = parser.format_help()  # every %(default)s expands
         assert "%(" not in text
     assert seen == {"dflash2-ref", "dflash2-bench", "dflash2-train data", "dflash2-train prompts",
-                    "dflash2-train train", "dflash2-train plot"}
+                    "dflash2-train train", "dflash2-train plot", "dflash2-train run"}
     concurrency = next(a for a in dict(_command_lines())["dflash2-bench"]._actions if a.dest == "concurrency")
     assert "(default: 1,8,32)" in settings.HelpFormatter("x")._get_help_string(concurrency)
 
@@ -181,10 +182,10 @@ def test_missing_embedded_drafter_is_one_line(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_default_pair_greedy_matches_autoregressive(capsys):
-    if not model.DEFAULT_DRAFT.is_dir():
-        pytest.skip(f"the embedded drafter {model.DEFAULT_DRAFT} has not been trained yet")
+    if not settings.DEFAULT_DRAFT.is_dir():
+        pytest.skip(f"the embedded drafter {settings.DEFAULT_DRAFT} has not been trained yet")
     rc, out, err = cli(capsys, "--prompt", "What is 12 + 30?", "--max-new-tokens", "16", "--baseline", "--json")
     assert rc == 0, err
     report = json.loads(out)
     assert report["identical"] is True and report["completion_tokens"] >= 1
-    assert report["target"] == model.DEFAULT_TARGET
+    assert report["target"] == settings.DEFAULT_TARGET

@@ -17,7 +17,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dflash2 import model as ours_model, spec_decode as sd
-from dflash2.model import DFlash2Config, DFlash2Drafter
+from dflash2.checkpoint import DFlash2Config
+from dflash2.model import DFlash2Drafter
+from dflash2.pair import stop_token_ids
 from dflash2.trace import check_trace
 from targets import tiny_target
 
@@ -262,7 +264,7 @@ def trace_of(tmp_path, name, draft, max_new_tokens=24):
     from dflash2.trace import run
 
     pair = load_pair(str(GOLDEN / "target"), str(draft), torch.device("cpu"), torch.float32)
-    stops = ours_model.stop_token_ids(pair.model, pair.tokenizer)
+    stops = stop_token_ids(pair.target.model, pair.tokenizer)
     settings = dict(method="dflash2", max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0,
                     stop_ids=stops, block_size=pair.drafter.config.block_size)
     path = tmp_path / f"{name}.jsonl"

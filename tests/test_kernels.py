@@ -122,10 +122,11 @@ def test_prepacked_target_decodes_the_unpacked_targets_greedy_output(arch):
     import copy
 
     from dflash2 import spec_decode as sd
+    from dflash2.pair import fix_partial_rotary
     from targets import reference_greedy, tiny_drafter, tiny_target
 
     model = tiny_target(arch)
-    sd.fix_partial_rotary(model)  # what Target does to a MiniMax-M3 model: the reference must run the same RoPE
+    fix_partial_rotary(model)  # what Target does to a MiniMax-M3 model: the reference must run the same RoPE
     drafter = tiny_drafter(model)
     packed = copy.deepcopy(model)
     assert kernels.prepack_linears(packed) > 0

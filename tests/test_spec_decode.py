@@ -177,7 +177,7 @@ def test_drafter_state_equals_an_uncached_recomputation(monkeypatch, temperature
     from dflash2.pair import load_pair
 
     pair_ = load_pair(str(GOLDEN / "target"), str(GOLDEN / "draft"), "cpu", torch.float32)
-    model, target, drafter = pair_.model, pair_.target, pair_.drafter
+    model, target, drafter = pair_.target.model, pair_.target, pair_.drafter
     sel = drafter.candidate_selector
     prompts = [[3, 5, 53, 7, 0, 4], [3, 32, 11, 12, 13, 34, 35, 0, 4], [3, 0, 4], [3, 9, 4, 20]]
     n = 20
@@ -289,11 +289,11 @@ def test_minimax_m3_hub_checkpoint_loads_with_partial_rope(tmp_path):
 
     from safetensors.torch import save_file
 
-    from dflash2.model import load_target
+    from dflash2.pair import fix_partial_rotary, load_target
     from tiny_tokenizer import tiny_tokenizer
 
     ref = tiny_target("minimax_m3")
-    sd.fix_partial_rotary(ref)  # the reference runs the deployment's partial RoPE
+    fix_partial_rotary(ref)  # the reference runs the deployment's partial RoPE
     cfg = ref.config.to_dict()
     cfg.pop("rope_parameters")
     cfg.update(model_type="minimax_m3", architectures=["MiniMaxM3SparseForConditionalGeneration"],

@@ -10,7 +10,7 @@ from dflash2.bench import format_prompt, load_tasks
 from transformers import DynamicCache
 torch.set_num_threads(2)
 pair = dflash2.load_pair()
-tok, lm, target = pair.tokenizer, pair.model, pair.target
+tok, lm, target = pair.tokenizer, pair.target.model, pair.target
 texts = load_tasks(["gsm8k"], sys.argv[1] if len(sys.argv) > 1 else "../shared/data", 3)["gsm8k"]
 def t(fn, n=30):
     for _ in range(5): fn()

@@ -1,0 +1,289 @@
+"""Drafter checkpoints in the published layout: config.json (read as transformers' Qwen3Config reads
+it, docs/SPEC.md §2) and model.safetensors (single or sharded), loaded and saved with one clear error
+for every problem."""
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .settings import is_hub_id
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+@dataclass
+class DFlash2Config:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    max_position_embeddings: int = 32768
+    layer_types: list[str] | None = None  # None: transformers' Qwen3 rule (see __post_init__)
+    sliding_window: int | None = 4096  # transformers' Qwen3 default
+    use_sliding_window: bool = False  # transformers' Qwen3 default: windows off unless enabled
+    max_window_layers: int = 28  # transformers' Qwen3 default; only read when layer_types is absent
+    is_causal: bool | None = False  # the published value; None (key absent): causal iff the layer is sliding
+    dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    # dflash_config
+    block_size: int = 8
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    DFLASH_KEYS = ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                   "target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier",
+                   "final_logit_softcapping")
+
+    def __post_init__(self):
+        if self.layer_types is None:  # transformers' Qwen3Config: layers from max_window_layers on slide
+            slide = self.use_sliding_window and self.sliding_window is not None
+            self.layer_types = ["sliding_attention" if slide and i >= self.max_window_layers else "full_attention"
+                                for i in range(self.num_hidden_layers)]
+        self.target_layer_ids = list(self.target_layer_ids)
+        self.layer_types = list(self.layer_types)
+
+    def layer_window(self, i):
+        """Sliding window of layer i, None for full attention (transformers' Qwen3 rule: no window
+        unless use_sliding_window)."""
+        if self.use_sliding_window and self.layer_types[i] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def layer_causal(self, i):
+        """Whether layer i's block attends only to itself and earlier slots: is_causal when the config
+        sets it, else whether the layer is sliding (how the authors' Qwen3DFlashAttention reads it)."""
+        return self.layer_types[i] == "sliding_attention" if self.is_causal is None else bool(self.is_causal)
+
+    def validate(self):
+        """Raise ValueError naming the first inconsistent field."""
+        checks = [
+            ("hidden_size", self.hidden_size >= 1 and self.hidden_size % self.conv_group_size == 0,
+             f"{self.hidden_size} must be a positive multiple of conv_group_size {self.conv_group_size}"),
+            ("conv_group_size", self.conv_group_size >= 1, f"{self.conv_group_size} must be >= 1"),
+            ("conv_kernel_size", self.conv_kernel_size >= 1, f"{self.conv_kernel_size} must be >= 1"),
+            ("num_key_value_heads", self.num_key_value_heads >= 1
+             and self.num_attention_heads % self.num_key_value_heads == 0,
+             f"{self.num_key_value_heads} must divide num_attention_heads {self.num_attention_heads}"),
+            ("head_dim", self.head_dim >= 2 and self.head_dim % 2 == 0, f"{self.head_dim} must be even for RoPE"),
+            ("intermediate_size", self.intermediate_size >= 1, f"{self.intermediate_size} must be >= 1"),
+            ("num_hidden_layers", self.num_hidden_layers >= 1, f"{self.num_hidden_layers} must be >= 1"),
+            ("layer_types", len(self.layer_types) == self.num_hidden_layers
+             and all(t in LAYER_TYPES for t in self.layer_types),
+             f"{self.layer_types} must hold num_hidden_layers={self.num_hidden_layers} entries of {LAYER_TYPES}"),
+            ("sliding_window", self.sliding_window is None or self.sliding_window >= 1,
+             f"{self.sliding_window} must be None or >= 1"),
+            ("rope_type", self.rope_type == "default", f"{self.rope_type!r} is not supported (only 'default')"),
+            ("block_size", self.block_size >= 2, f"{self.block_size} must be >= 2 (anchor + at least one draft)"),
+            ("selector_rank", self.selector_rank >= 1, f"{self.selector_rank} must be >= 1"),
+            ("selector_top_k", 1 <= self.selector_top_k <= self.vocab_size,
+             f"{self.selector_top_k} must lie in [1, vocab_size={self.vocab_size}]"),
+            ("target_layer_ids", len(self.target_layer_ids) >= 1
+             and all(0 <= i < self.num_target_layers for i in self.target_layer_ids),
+             f"{self.target_layer_ids} must be non-empty ids in [0, num_target_layers={self.num_target_layers})"),
+            ("mask_token_id", 0 <= self.mask_token_id < self.vocab_size,
+             f"{self.mask_token_id} must lie in [0, vocab_size={self.vocab_size})"),
+            ("final_logit_softcapping", self.final_logit_softcapping is None or self.final_logit_softcapping > 0,
+             f"{self.final_logit_softcapping} must be None or > 0"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"DFlash2Config.{name}: {why}")
+        return self
+
+    @classmethod
+    def from_dict(cls, d):
+        """Read a Qwen3-style config.json dict as the authors' DFlash2DraftModel does (through
+        transformers' Qwen3Config); dflash keys from `dflash_config` (or top level in older files).
+
+        Absent keys take Qwen3Config's defaults (head_dim 128, num_key_value_heads 32 (null: = heads),
+        sliding_window 4096, max_window_layers 28) and the authors' (block_size 16, target_layer_ids spread over the
+        target); absent or null `is_causal` makes sliding layers causal (layer_causal).
+        """
+        dflash = d.get("dflash_config") or {}
+        rope = d.get("rope_parameters") or {}
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs.update({k: v for k, v in dflash.items() if k in names})
+        kwargs["is_causal"] = d.get("is_causal")
+        kwargs.setdefault("block_size", 16)
+        kwargs.setdefault("head_dim", 128)
+        kwargs.setdefault("num_key_value_heads", 32)  # Qwen3Config's class default; null means "= heads"
+        if kwargs["num_key_value_heads"] is None and "num_attention_heads" in kwargs:
+            kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
+        if "target_layer_ids" not in kwargs and {"num_target_layers", "num_hidden_layers"} <= kwargs.keys():
+            kwargs["target_layer_ids"] = spread_target_layer_ids(kwargs["num_target_layers"], kwargs["num_hidden_layers"])
+        if kwargs.get("final_logit_softcapping") == 0:  # the authors' model reads 0 as "no softcap"
+            kwargs["final_logit_softcapping"] = None
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"DFlash2 config: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+        if d.get("attention_bias"):
+            raise ValueError("DFlash2 config: attention_bias true is not supported (the published drafters have none)")
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = rope["rope_theta"]
+        if "rope_type" in rope:
+            kwargs["rope_type"] = rope["rope_type"]
+        if "dtype" not in d and "torch_dtype" in d:
+            kwargs["dtype"] = d["torch_dtype"]
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING]
+        missing = [k for k in required if k not in kwargs]
+        if missing:
+            raise ValueError(f"DFlash2 config is missing required keys: {missing}")
+        return cls(**kwargs).validate()
+
+    def to_dict(self):
+        """Qwen3-style config.json dict with a nested `dflash_config`."""
+        d = {
+            "architectures": ["DFlash2DraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": self.rope_type},
+            "max_position_embeddings": self.max_position_embeddings,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.use_sliding_window,
+            "max_window_layers": self.max_window_layers,
+            "num_target_layers": self.num_target_layers,
+            "vocab_size": self.vocab_size,
+            "is_causal": self.is_causal,  # dropped below when None: absent means "sliding layers are causal"
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "dtype": self.dtype,
+        }
+        if self.is_causal is None:
+            del d["is_causal"]
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        d["dflash_config"] = {k: getattr(self, k) for k in self.DFLASH_KEYS}
+        return d
+
+
+def spread_target_layer_ids(num_target_layers, num_draft_layers):
+    """The authors' default taps when a config names none: evenly from layer 1 to num_target_layers - 3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def load_drafter(path_or_hub_id, device=None, dtype=None, attn_backend=None):
+    """DFlash2Drafter from config.json + model.safetensors (or a sharded index) in a directory or a hub id.
+
+    attn_backend: "sdpa", "flex" or "flash" (kernels.drafter_attention); None = the device's default.
+    """
+    from .kernels import check_attn_backend
+    from .model import DFlash2Drafter
+
+    attn_backend = check_attn_backend(attn_backend, device or "cpu")
+    path = resolve_checkpoint(path_or_hub_id)
+    config = DFlash2Config.from_dict(read_json(path / "config.json"))
+    state = read_safetensors(path)
+    dtype = dtype or getattr(torch, config.dtype)
+    with torch.device("meta"):  # no init work: every tensor comes from the checkpoint
+        model = DFlash2Drafter(config, attn_backend)
+    check_state_dict(model.state_dict(), state, path)
+    model.load_state_dict({k: v.to(device=device or "cpu", dtype=dtype) for k, v in state.items()}, assign=True)
+    return model.eval()
+
+
+def save_drafter(drafter, directory, dtype=None):
+    """Write config.json (with dflash_config) and model.safetensors in the published layout."""
+    from safetensors.torch import save_file
+
+    dtype = dtype or next(drafter.parameters()).dtype
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = dataclasses.replace(drafter.config, dtype=str(dtype).removeprefix("torch."))
+    (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def resolve_checkpoint(path_or_hub_id):
+    """A checkpoint directory: the path itself, or a hub id's snapshot (json and safetensors only)."""
+    path = Path(path_or_hub_id).expanduser()
+    if path.is_dir():
+        return path
+    name = str(path_or_hub_id)
+    if not is_hub_id(name):
+        raise FileNotFoundError(f"{name}: not a checkpoint directory (expected config.json + model.safetensors)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as e:
+        raise OSError(f"cannot fetch {name!r} from the Hugging Face Hub (offline, or not a repo?): {e}") from e
+
+
+def read_json(path):
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def read_safetensors(path):
+    """All tensors of model.safetensors, or of the shards named by model.safetensors.index.json."""
+    from safetensors.torch import load_file
+
+    index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map'")
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    elif single.is_file():
+        weight_map, files = None, [single]
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(f))
+        except Exception as e:
+            raise CheckpointError(f"{f}: cannot read safetensors ({e})") from e
+    if weight_map is not None and set(weight_map) - set(state):
+        raise CheckpointError(f"{index}: tensors listed but absent from the shards: {sorted(set(weight_map) - set(state))}")
+    return state
+
+
+def check_state_dict(expected, got, path):
+    """One CheckpointError listing every missing, unexpected and mis-shaped tensor."""
+    problems = [f"missing {k} {list(v.shape)}" for k, v in expected.items() if k not in got]
+    problems += [f"unexpected {k} {list(v.shape)}" for k, v in got.items() if k not in expected]
+    problems += [f"shape mismatch {k}: expected {list(v.shape)}, got {list(got[k].shape)}"
+                 for k, v in expected.items() if k in got and got[k].shape != v.shape]
+    if problems:
+        raise CheckpointError(f"{path}: checkpoint does not match the config:\n  " + "\n  ".join(problems))
