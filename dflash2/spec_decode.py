@@ -439,18 +439,25 @@ def decode_tree_step(target, drafter, rows, sampling, B, budget, scores, view_le
         num_accepted, path, out, y = verify_tree_sampled(tree, p, u)
     else:
         num_accepted, path, out, y = verify_tree_greedy(tree, logits)
-    # The entries along [anchor, accepted path] by depth (past its end the anchor: slots there are future).
-    src = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], 1)
-    block_pos = rows.pos[:, None] + torch.arange(B, device=device)
-    rows.cache.move(rows.pos[:, None] + src, block_pos)
     record = None if not traced else dict(
         anchor_pos=rows.pos, anchor=rows.anchor, sizes=sizes, tree=tree, y=y, path=path, u_tree=u,
         num_accepted=num_accepted, out=out)
-    if rows.ctx is not None:
-        rows.ctx.write(feats.gather(1, src[:, :, None].expand(-1, -1, feats.shape[-1])), block_pos)
+    commit_path(rows, feats, path, B)
     rows.anchor = torch.where(rows.live, out.gather(1, num_accepted[:, None]).squeeze(1), rows.anchor)
     rows.pos = rows.pos + (num_accepted + 1) * rows.live
     return num_accepted, out, record
+
+
+def commit_path(rows, feats, path, B):
+    """After a tree step: the K/V of [anchor, accepted path] move from their scratch slots to slot =
+    position (pos + depth), and the drafter's context gets their tapped features at those positions.
+    path [b, B-1]: accepted entries of [anchor, nodes] by depth, -1 past the path (there the anchor's
+    K/V and features fill slots that lie in the row's future, as a chain step's rejected drafts do)."""
+    entries = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], 1)
+    block_pos = rows.pos[:, None] + torch.arange(B, device=path.device)
+    rows.cache.move(rows.pos[:, None] + entries, block_pos)
+    if rows.ctx is not None:
+        rows.ctx.write(feats.gather(1, entries[:, :, None].expand(-1, -1, feats.shape[-1])), block_pos)
 
 
 def check_generate_args(target, drafter, prompts, method, max_new_tokens, temperature, top_k, top_p,

@@ -11,6 +11,7 @@ from dflash2.checkpoint import DFlash2Config
 from dflash2.model import DFlash2Drafter
 
 ARCHS = ("llama", "minimax_m2", "minimax_m3")
+TREE_ARCHS = ("llama", "minimax_m2", "minimax_m3_dense")  # dense attention: see test_tree_decode
 # The benchmark data (the ../shared/data layout), for the tests that read it; an absolute value replaces the root.
 DATA_DIR = Path(__file__).resolve().parents[1] / os.environ.get("DFLASH2_DATA_DIR", "../shared/data")
 
@@ -40,14 +41,16 @@ def tiny_target(arch, vocab=64, hidden=32, layers=3, seed=0, dtype=torch.float32
     elif arch == "minimax_m2":
         model = MiniMaxM2ForCausalLM(MiniMaxM2Config(intermediate_size=32, head_dim=16, rotary_dim=8,
                                                      num_local_experts=4, num_experts_per_tok=2, **common))
-    elif arch == "minimax_m3":
+    elif arch in ("minimax_m3", "minimax_m3_dense"):
         # Deployment-shaped: partial RoPE via rotary_dim, dense first layer, sparse (MSA) layers with a
-        # small index block so block selection is active on short sequences.
+        # small index block so block selection is active on short sequences. minimax_m3_dense: the
+        # same with dense attention in every layer (what tree verification needs; MoE kept).
+        attn = "full_attention" if arch == "minimax_m3_dense" else "minimax_m3_sparse"
         model = MiniMaxM3VLForCausalLM(MiniMaxM3VLTextConfig(
             intermediate_size=32, dense_intermediate_size=64, shared_intermediate_size=32, head_dim=16,
             rotary_dim=8, num_local_experts=4, num_experts_per_tok=2, index_n_heads=2, index_head_dim=8,
             index_block_size=4, index_topk_blocks=2,
-            layer_types=["full_attention"] + ["minimax_m3_sparse"] * (layers - 1),
+            layer_types=["full_attention"] + [attn] * (layers - 1),
             mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), **common))
     else:
         raise ValueError(arch)

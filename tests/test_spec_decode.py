@@ -325,11 +325,11 @@ def _target_law(model, prompt, n, temperature, top_p, top_k=0):
 
 
 def _loop_tv(model, target, drafter, method, rows=20000, n=2, max_batch=None, temperature=1.0, top_k=0,
-             top_p=0.9, block_size=None, results_out=None):
+             top_p=0.9, block_size=None, results_out=None, **generate_kwargs):
     prompt = [5, 3, 9]
     results = sd.generate(target, drafter, [prompt] * rows, method=method, max_new_tokens=n,
                           temperature=temperature, top_k=top_k, top_p=top_p, seed=11, max_batch=max_batch,
-                          block_size=block_size)
+                          block_size=block_size, **generate_kwargs)
     if results_out is not None:
         results_out.extend(results)
     counts = {}
