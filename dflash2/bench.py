@@ -222,7 +222,8 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
     measured by wrapping the loop's step functions."""
     meter = CallMeter(timings, target.device)
     if timings is not None:
-        for name, phase in (("_prefill", "prefill"), ("draft", "drafter"), ("select_path", "selector")):
+        for name, phase in (("_prefill", "prefill"), ("draft", "drafter"), ("select_path", "selector"),
+                            ("select_tree", "selector")):  # a tree's build counts as its selection
             meter.watch(spec_decode, name, phase)
         meter.watch(target, "forward", "verify")
     bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False)

@@ -503,3 +503,34 @@ def test_selector_init_follows_training_recipe(config):
     sel = CandidateSelector(tiny_glm_config(vocab_size=4096))
     assert (sel.successor_codebook == 0).all()
     assert abs(sel.predecessor_codebook.std().item() - 0.02) < 0.002
+
+
+def test_every_block_query_sees_the_anchor_key(monkeypatch):
+    """The drafter's mask, as its forward builds it: every query of the block sees the anchor's key
+    (slot 0 of the block), in full blocks and in blocks cut short, and no query sees a slot past its block."""
+    from dflash2 import kernels, model
+
+    masks = []
+    real = kernels.attention_mask
+
+    def spy(*args, **kwargs):
+        m = real(*args, **kwargs)
+        masks.append(m.mask)
+        return m
+
+    monkeypatch.setattr(model, "attention_mask", spy)
+    cfg = tiny_glm_config()
+    drafter = DFlash2Drafter(cfg).eval()
+    b, S, T = 3, 10, cfg.block_size
+    ctx_valid = torch.arange(S)[None] < torch.tensor([[10], [4], [7]])
+    kv = [(torch.randn(b, cfg.num_key_value_heads, S, cfg.head_dim),) * 2 for _ in range(cfg.num_hidden_layers)]
+    sizes = torch.tensor([T, 3, 1])
+    block_valid = torch.arange(T)[None] < sizes[:, None]
+    positions = torch.tensor([[10], [4], [7]]) + torch.arange(T)
+    with torch.no_grad():
+        drafter(torch.randn(b, T, cfg.hidden_size), positions, kv, ctx_valid, block_valid)
+    assert masks
+    for mask in masks:  # [b, 1, T, S + T]
+        assert mask[:, 0, :, S].all()  # the anchor's key, seen by every query of every row
+        for r in range(b):
+            assert not mask[r, 0, : int(sizes[r]), S + int(sizes[r]):].any()

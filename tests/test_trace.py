@@ -125,3 +125,50 @@ def test_regenerated_goldens_must_keep_acceptance_counts(tmp_path):
     assert log[-1].startswith("- 2026-12-04: drafts shrink at the end of the budget (changed: greedy_dflash2: request 1 ")
     with pytest.raises(SystemExit):
         make_golden.main(["--accept-change", " "])
+
+
+def _edit(value):
+    """A different value of the same shape: the first number in it moved (a bool flipped, None made 0)."""
+    if isinstance(value, list):
+        return [_edit(value[0])] + value[1:] if value else [0]
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    return 0 if value is None else None
+
+
+@pytest.mark.parametrize("setting, name", [("sampled", "sampled_dflash2"), ("greedy", "greedy_dflash2")])
+def test_trace_checker_compares_every_recorded_field(tmp_path, setting, name):
+    """Each field of a step, edited alone (a draft after the first rejection too), is reported by name."""
+    records = [json.loads(line) for line in (GOLDEN / f"{name}.jsonl").read_text().splitlines()]
+    i, step = next((i, r) for i, r in enumerate(records)
+                   if r["type"] == "step" and r["num_accepted"] + 1 < len(r["drafts"]))
+    fields = [f for f in step if f not in ("type", "request", "step")]
+    for field in fields + ["drafts after the rejection"]:
+        edited = json.loads(json.dumps(records))
+        if field == "drafts after the rejection":
+            field, slot = "drafts", step["num_accepted"] + 1
+            edited[i]["drafts"][slot] += 1
+        else:
+            edited[i][field] = _edit(step[field])
+        save(tmp_path / "t.jsonl", edited)
+        agree, line = check(tmp_path / "t.jsonl")
+        assert not agree and f"field {field}" in line, (field, line)
+
+
+def test_tree_trace_replays_and_an_edited_node_is_reported(capsys, tmp_path):
+    rc = dflash2_ref.main([*PAIR, "--prompt", "what is it that", "--max-new-tokens", "20", "--json", "--method",
+                           "dflash2-tree", "--tree-budget", "10", "--trace", str(tmp_path / "t.jsonl")])
+    capsys.readouterr()
+    assert rc == 0
+    records = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert records[0]["tree_budget"] == 10 and records[0]["tree_scores"] == "selector"
+    steps = [r for r in records if r["type"] == "tree_step"]
+    assert steps and all(len(s["tree_tokens"]) == 10 and len(s["target_y"]) == s["num_accepted"] + 1 for s in steps)
+    assert check(tmp_path / "t.jsonl")[0]
+    steps[1]["tree_tokens"][4] += 1
+    save(tmp_path / "e.jsonl", records)
+    agree, line = check(tmp_path / "e.jsonl")
+    assert not agree and line == (f"divergence: request 0 step {steps[1]['step']} node 5 field tree_tokens: "
+                                  f"reference {steps[1]['tree_tokens'][4] - 1} vs trace {steps[1]['tree_tokens'][4]}")

@@ -491,3 +491,57 @@ def test_sample_from_inverts_the_cdf():
     # u = 1 stands for u * total rounding up to total: it must not reach the zero tail.
     u = torch.tensor([0.0, 0.49, 0.5, 0.74, 0.75, 0.999, 1.0])
     assert verify.sample_from(probs.expand(len(u), -1), u).tolist() == [1, 1, 3, 3, 4, 4, 4]
+
+
+def test_impossible_drafts_are_never_accepted():
+    """A draft the target gives probability 0 is rejected, even with u = 0 and whether or not q gives it mass."""
+    V = 4
+    p = torch.tensor([[[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]]] * 2)  # P_0(token 0) = 0
+    q = torch.tensor([[[0.0, 0.0, 0.0, 1.0]], [[1.0, 0.0, 0.0, 0.0]]])  # q(d) = 0, then q(d) = 1
+    drafts = torch.tensor([[0], [0]])
+    num_accepted, out = verify.verify_sampled(drafts, q, p, torch.zeros(2, 1), torch.zeros(2))
+    assert num_accepted.tolist() == [0, 0] and out[:, 0].tolist() == [1, 1]
+    assert verify.acceptance_probability(torch.tensor([0.0, 0.0]), torch.tensor([0.0, 0.5])).tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 4), n=st.integers(1, 6), V=st.integers(2, 6), seed=st.integers(0, 2**16))
+def test_num_drafts_equals_cutting_the_arrays(sampled, b, n, V, seed):
+    """Verifying with num_drafts = k equals verifying the arrays cut to k drafts, every output (the
+    bonus row included, and -1 past it) the same."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(0, n + 1, (b,), generator=g)
+    drafts = torch.randint(0, V, (b, n), generator=g)
+    logits = torch.randn(b, n + 1, V, generator=g, dtype=torch.float64)
+    logits[:, :n].scatter_add_(-1, drafts[..., None], torch.full((b, n, 1), 3.0, dtype=torch.float64))  # accepts happen
+    q = torch.softmax(torch.randn(b, n, V, generator=g, dtype=torch.float64), -1)
+    u_accept, u_emit = torch.rand(b, n, generator=g, dtype=torch.float64), torch.rand(b, generator=g, dtype=torch.float64)
+    p = verify.process_logits(logits, 0.9)
+    if sampled:
+        got = verify.verify_sampled(drafts, q, p, u_accept, u_emit, num_drafts=k)
+    else:
+        got = verify.verify_greedy(drafts, logits, num_drafts=k)
+    for r in range(b):
+        c = int(k[r])
+        if sampled:
+            want = verify.verify_sampled(drafts[r:r + 1, :c], q[r:r + 1, :c], p[r:r + 1, : c + 1], u_accept[r:r + 1, :c],
+                                         u_emit[r:r + 1])
+        else:
+            want = verify.verify_greedy(drafts[r:r + 1, :c], logits[r:r + 1, : c + 1])
+        assert got[0][r] == want[0][0]
+        assert got[1][r, : c + 1].tolist() == want[1][0].tolist() and (got[1][r, c + 1:] == -1).all()
+
+
+def test_verify_module_imports_without_transformers():
+    """The oracle other implementations import needs torch only: with transformers unimportable,
+    dflash2.verify imports and runs, and importing it loads no transformers module."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['transformers'] = None\n"  # any import of it now raises ImportError
+            "import torch, dflash2.verify as v\n"
+            "assert v.verify_greedy(torch.tensor([[1]]), torch.eye(3)[None, :2]).__len__() == 2\n"
+            "assert not [m for m in sys.modules if m.startswith('transformers.')]\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
