@@ -17,6 +17,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -234,21 +235,12 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
         if tokens[-1] in stop_ids or emitted[req] >= args.max_new_tokens:
             bar.update(1)
 
-    start = time.perf_counter()
-    try:
+    with metered(meter, bar, target.device) as clock:
         results = generate(target, drafter, prompts, **method_settings(method, args), max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                            stop_ids=stop_ids, block_size=args.block_size, static=args.compile, on_emit=on_emit,
                            max_batch=concurrency)
-        if target.device.type == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    finally:
-        meter.close()
-        bar.close()
-    if timings is not None:
-        timings["bookkeeping"] = wall - sum(timings.values())
-    return results, wall
+    return results, clock["wall"]
 
 
 # --- peers: what a user would run instead, on the same target object, prompts and stop tokens ---
@@ -340,6 +332,24 @@ class CallMeter:
         self._undo = []
 
 
+@contextmanager
+def metered(meter, bar, device):
+    """Time the body (to the device's last kernel); then the meter's watches come off and its phases get
+    bookkeeping = the wall time no watched call took. Yields a dict that holds "wall" afterwards."""
+    clock = {}
+    start = time.perf_counter()
+    try:
+        yield clock
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        clock["wall"] = time.perf_counter() - start
+    finally:
+        meter.close()
+        bar.close()
+    if meter.timings is not None:
+        meter.timings["bookkeeping"] = clock["wall"] - sum(meter.timings.values())
+
+
 def run_peer(model, method, prompts, args, stop_ids, desc, timings=None, zlab=None, max_new_tokens=None):
     """Decode prompts one at a time with a peer on the target object `model`; returns Results and the wall
     time. With timings: seconds per phase (prefill, drafter = a draft forward or prompt lookup's search,
@@ -363,8 +373,7 @@ def run_peer(model, method, prompts, args, stop_ids, desc, timings=None, zlab=No
         hf.update(prompt_lookup_num_tokens=args.pld_num_tokens, max_matching_ngram_size=args.pld_ngram)
     bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False)
     results = []
-    start = time.perf_counter()
-    try:
+    with metered(meter, bar, model.device) as clock:
         for i, prompt in enumerate(prompts):
             torch.manual_seed(args.seed + i)  # their sampling draws from torch's global generator
             ids = torch.tensor([prompt], device=model.device)
@@ -377,15 +386,7 @@ def run_peer(model, method, prompts, args, stop_ids, desc, timings=None, zlab=No
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), **hf)
             results.append(Result(out[0, len(prompt):].tolist(), meter.calls))
             bar.update(1)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    finally:
-        meter.close()
-        bar.close()
-    if timings is not None:
-        timings["bookkeeping"] = wall - sum(timings.values())
-    return results, wall
+    return results, clock["wall"]
 
 
 def mean_tau(results):

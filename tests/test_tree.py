@@ -15,10 +15,11 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash2 import verify
+from test_verify import with_examples
 
 FAST = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MC_ROWS = 300_000
@@ -137,15 +138,6 @@ TIE_CASES = [
     dict(kind="selector", b=3, n=7, K=16, V=20, ties=True, seed=11, budget=64, max_depth=None),
     dict(kind="selector", b=2, n=2, K=1, V=1, ties=False, seed=0, budget=5, max_depth=[2, 0]),
 ]
-
-
-def with_examples(cases):
-    def decorate(test):
-        for case in reversed(cases):
-            test = example(case)(test)
-        return test
-
-    return decorate
 
 
 @settings(FAST, max_examples=300)
