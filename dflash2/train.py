@@ -20,18 +20,22 @@ import random
 import re
 import sys
 import time
+from inspect import signature
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from .bench import format_prompt, load_tasks, mean_tau
 from .checkpoint import DFlash2Config, spread_target_layer_ids
 from .model import DFlash2Drafter
 from .pair import load_target, stop_token_ids
 from .prompts import (FOLLOW_UPS, PROMPT_SOURCES, SELF_INSTRUCT_KINDS, SELF_INSTRUCT_TOPICS, chat_ids, filter_generated,
                       training_prompts)
 from .settings import DEFAULT_TARGET, HelpFormatter, check_sampling_params
+from .spec_decode import Target, generate
 from .verify import process_logits
 
 
@@ -57,8 +61,6 @@ def check_device(name) -> torch.device:
 
 def cache_kwarg(model) -> str:
     """transformers 5.24+ names the KV cache argument `cache`, earlier 5.x (the GPU machine's 5.17) `past_key_values`."""
-    from inspect import signature
-
     return "cache" if "cache" in signature(model.forward).parameters else "past_key_values"
 
 # --------------------------------------------------------------------------- data
@@ -406,8 +408,6 @@ def ddp_setup(device):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return 0, 1, device
-    import torch.distributed as dist
-
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -545,9 +545,7 @@ def train(args, target=None):
 
 # --------------------------------------------------------------------------- the whole recipe on a budget
 
-# `run` splits its wall-clock budget by one rule: each phase ends at this fraction of the budget, counted from the
-# start (target loading included); a phase that finishes early hands its time to the next.
-RUN_PHASES = {"prompts": 0.10, "responses": 0.50, "train": 0.85, "tau": 1.00}
+RUN_PHASES = {"prompts": 0.10, "responses": 0.50, "train": 0.85, "tau": 1.00}  # each ends at this share (RUN_RULE)
 RUN_RULE = """The budget is split by a fixed rule: self-instruct prompts until 10% of it has passed (loading included),
 responses until 50%, training until 85%, tau in the rest; a phase that ends early (every prompt answered, say)
 leaves its time to the next. Responses: the prompts shuffled, in batches taking turns greedy and T = 1 (top-p 0.95);
@@ -558,9 +556,6 @@ training step (no feature shards); the drafter is written every --save-minutes, 
 def measure_tau(model, tok, drafter, data_dir, deadline, max_new_tokens=128):
     """τ as bench.py measures it (greedy, one prompt at a time, mean over prompts of tokens per verify step) on
     chat-heldout and GSM8K, the two tasks taking turns until the deadline; at least one prompt each."""
-    from .bench import format_prompt, load_tasks, mean_tau
-    from .spec_decode import Target, generate
-
     tasks = load_tasks(("chat-heldout", "gsm8k"), data_dir, 100)
     target, stops = Target(model, drafter.config.target_layer_ids), stop_token_ids(model, tok)
     results, took = {task: [] for task in tasks}, 0.0
