@@ -4,6 +4,7 @@ Everything here stays on the device: randomness is drawn as uniform tensors (`to
 generator=g)`) and handed to verify.py's math, so no step needs a host sync and a run can be replayed.
 """
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -130,6 +131,8 @@ class Target:
         self.num_layers = cfg.num_hidden_layers
         self.hidden_size = cfg.hidden_size
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        # transformers 5.24+ names the cache argument `cache`; earlier 5.x (the GPU machine's) `past_key_values`
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         # load_target(prepack=True) swapped the linears for oneDNN ones; the draft head follows suit
         self.prepacked = any(isinstance(m, kernels.PackedLinear) for m in model.modules())
         bad = [l for l in self.layer_ids if not 0 <= l < self.num_layers]
@@ -177,7 +180,7 @@ class Target:
         visible = visible[:, None]
         dtype = self.lm_head_weight.dtype
         mask = torch.zeros(visible.shape, dtype=dtype, device=ids.device).masked_fill(~visible, torch.finfo(dtype).min)
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache,
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **{self.cache_arg: cache},
                          use_cache=True, output_hidden_states=bool(self.layer_ids))
         if self.layer_ids:
             feats = torch.cat([out.hidden_states[l + 1] for l in self.layer_ids], dim=-1)
