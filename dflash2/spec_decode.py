@@ -338,6 +338,11 @@ class Rows:
             self.ctx.select_rows(keep)
         self.anchor, self.pos, self.end, self.live = (t[keep] for t in (self.anchor, self.pos, self.end, self.live))
 
+    def advance(self, num_accepted, out):
+        """A step's emitted token becomes each live row's anchor, num_accepted + 1 positions on."""
+        self.anchor = torch.where(self.live, out.gather(1, num_accepted[:, None]).squeeze(1), self.anchor)
+        self.pos = self.pos + (num_accepted + 1) * self.live
+
     def admit(self, slots, new):
         """Rows `slots` take over the rows of `new` (freshly prefilled requests)."""
         self.cache.copy_rows(slots, new.cache)
@@ -409,8 +414,7 @@ def decode_step(target, drafter, rows, method, sampling, B, view_len, ctx_len, p
         target_argmax=logits.argmax(-1), u_accept=u_accept, u_emit=u_emit, num_accepted=num_accepted, out=out)
     if rows.ctx is not None:
         rows.ctx.write(feats, block_pos)
-    rows.anchor = torch.where(rows.live, out.gather(1, num_accepted[:, None]).squeeze(1), rows.anchor)
-    rows.pos = rows.pos + (num_accepted + 1) * rows.live
+    rows.advance(num_accepted, out)
     return num_accepted, out, record
 
 
@@ -430,9 +434,10 @@ def decode_tree_step(target, drafter, rows, sampling, B, budget, scores, view_le
     entry = torch.arange(budget + 1, device=device)
     slots = rows.pos[:, None] + entry
     depth = torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1)
+    # Every entry sees the context (the slots before its anchor) and, among the scratch slots, its ancestors.
     context = torch.arange(view_len, device=device)[None, None, :] < rows.pos[:, None, None]
-    visible = context.expand(b, budget + 1, view_len).clone()  # every entry sees the context, and in the
-    visible.scatter_(2, slots[:, None, :].expand(b, budget + 1, budget + 1), tree_ancestors(tree.parents))  # tree its ancestors
+    visible = context.expand(b, budget + 1, view_len).clone()
+    visible.scatter_(2, slots[:, None, :].expand(b, budget + 1, budget + 1), tree_ancestors(tree.parents))
     ids = torch.cat([rows.anchor[:, None], tree.tokens], 1)
     logits, feats = target.forward(ids, rows.pos[:, None] + depth, rows.cache, view_len, slots=slots, visible=visible)
     u = None
@@ -446,8 +451,7 @@ def decode_tree_step(target, drafter, rows, sampling, B, budget, scores, view_le
         anchor_pos=rows.pos, anchor=rows.anchor, sizes=sizes, tree=tree, y=y, path=path, u_tree=u,
         num_accepted=num_accepted, out=out)
     commit_path(rows, feats, path, B)
-    rows.anchor = torch.where(rows.live, out.gather(1, num_accepted[:, None]).squeeze(1), rows.anchor)
-    rows.pos = rows.pos + (num_accepted + 1) * rows.live
+    rows.advance(num_accepted, out)
     return num_accepted, out, record
 
 
@@ -466,7 +470,8 @@ def commit_path(rows, feats, path, B):
 def check_generate_args(target, drafter, prompts, method, max_new_tokens, temperature, top_k, top_p,
                         block_size, max_batch, propose, tree_budget, tree_scores):
     """Every input check of generate, once per call. Returns the block size B (1 for ar), the width W
-    of a verify forward and its block (B, or at least a tree's budget + 1), the longest prompt's length and the target's context."""
+    of a verify forward (B, or for a tree at least budget + 1), the longest prompt's length and the
+    target's context length."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_sampling_params(temperature, top_p, top_k)
