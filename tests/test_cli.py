@@ -111,6 +111,8 @@ def bad_inputs(tmp):
         (["--prompt-file", str(tmp / "missing.txt")], 2, "--prompt-file"),
         (["--prompt", "the", "--prompt-file", str(tmp / "missing.txt")], 2, "not both"),
         (["--prompt", "the", "--block-size", "7"], 2, "larger than the drafter's block size 6"),
+        (["--prompt", "the", "--block-size", "1"], 2, "--block-size must be >= 2"),
+        (["--prompt", "the", "--method", "dflash2-tree", "--tree-budget", "0"], 2, "--tree-budget must be >= 1"),
         (["--prompt", "the", "--device", "tpu9"], 2, "--device 'tpu9' is not usable"),
         (["--prompt", "the", "--draft", drafter_dir(tmp / "h", hidden_size=48)], 2,
          "hidden_size 48 does not match the target's 32"),
