@@ -1,6 +1,7 @@
 """Loading: a target (any transformers causal LM, the embedded GGUF default, MiniMax-M3 checkpoints)
 and its drafter, together and checked to fit; prompts through the chat template."""
 import importlib.util
+import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,6 +195,11 @@ def load_target(name_or_path: str | None = None, device="cpu", dtype=torch.float
     if prepack:
         prepack_linears(model)
     return model, tok
+
+
+def cache_kwarg(model):
+    """transformers 5.24+ names the KV cache argument `cache`, earlier 5.x (the GPU machine's 5.17) `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def stop_token_ids(model, tokenizer):

@@ -4,7 +4,6 @@ Everything here stays on the device: randomness is drawn as uniform tensors (`to
 generator=g)`) and handed to verify.py's math, so no step needs a host sync and a run can be replayed.
 """
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +13,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import kernels
 from .kernels import check_attn_backend
 from .model import DraftContext, dflash1_walk
-from .pair import fix_partial_rotary
+from .pair import cache_kwarg, fix_partial_rotary
 from .settings import (DEFAULT_TREE_BUDGET, METHODS, InputError, check_block_size, check_sampling_params,
                        check_tree_settings)
 from .verify import (build_tree, marginal_log_weights, process_logits, sample_from, selector_log_weights,
@@ -131,8 +130,7 @@ class Target:
         self.num_layers = cfg.num_hidden_layers
         self.hidden_size = cfg.hidden_size
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        # transformers 5.24+ names the cache argument `cache`; earlier 5.x (the GPU machine's) `past_key_values`
-        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_arg = cache_kwarg(model)
         # load_target(prepack=True) swapped the linears for oneDNN ones; the draft head follows suit
         self.prepacked = any(isinstance(m, kernels.PackedLinear) for m in model.modules())
         bad = [l for l in self.layer_ids if not 0 <= l < self.num_layers]

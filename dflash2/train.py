@@ -20,7 +20,6 @@ import random
 import re
 import sys
 import time
-from inspect import signature
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ from tqdm import tqdm
 from .bench import format_prompt, load_tasks, mean_tau
 from .checkpoint import DFlash2Config, spread_target_layer_ids
 from .model import DFlash2Drafter
-from .pair import load_target, stop_token_ids
+from .pair import cache_kwarg, load_target, stop_token_ids
 from .prompts import (FOLLOW_UPS, PROMPT_SOURCES, SELF_INSTRUCT_KINDS, SELF_INSTRUCT_TOPICS, chat_ids, filter_generated,
                       training_prompts)
 from .settings import DEFAULT_TARGET, HelpFormatter, check_sampling_params
@@ -58,10 +57,6 @@ def check_device(name) -> torch.device:
         usage_error(f"--device {name}: this machine has {count or 'no'} CUDA device{'' if count == 1 else 's'}")
     return device
 
-
-def cache_kwarg(model) -> str:
-    """transformers 5.24+ names the KV cache argument `cache`, earlier 5.x (the GPU machine's 5.17) `past_key_values`."""
-    return "cache" if "cache" in signature(model.forward).parameters else "past_key_values"
 
 # --------------------------------------------------------------------------- data
 
