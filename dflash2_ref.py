@@ -12,7 +12,6 @@ The trace format is documented in docs/TRACE.md.
 import argparse
 import json
 import sys
-import time
 import traceback
 import warnings
 from pathlib import Path

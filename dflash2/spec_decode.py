@@ -7,7 +7,6 @@ generator=g)`) and handed to verify.py's math, so no step needs a host sync and 
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import kernels

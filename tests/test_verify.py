@@ -495,7 +495,6 @@ def test_sample_from_inverts_the_cdf():
 
 def test_impossible_drafts_are_never_accepted():
     """A draft the target gives probability 0 is rejected, even with u = 0 and whether or not q gives it mass."""
-    V = 4
     p = torch.tensor([[[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]]] * 2)  # P_0(token 0) = 0
     q = torch.tensor([[[0.0, 0.0, 0.0, 1.0]], [[1.0, 0.0, 0.0, 0.0]]])  # q(d) = 0, then q(d) = 1
     drafts = torch.tensor([[0], [0]])
