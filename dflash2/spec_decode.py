@@ -532,16 +532,17 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
     request = []  # row -> request index
 
     def admit(free):
-        """Prefill waiting requests into rows `free` (new rows at the end when free is None)."""
+        """Prefill the next waiting requests into rows `free` (rows past the end are appended)."""
         nonlocal rows, waiting, host_pos
         reqs, waiting = waiting[: len(free)], waiting[len(free):]
         new = _prefill(target, ctx_drafter, [prompts[r] for r in reqs], max_len, max_new_tokens, W, static, sampling)
         first = new.anchor.cpu()  # host sync of the prefill
+        lens = torch.tensor([len(prompts[r]) for r in reqs])  # the new rows' positions, known on the host
         if rows is None:
-            rows, host_pos = new, new.pos.cpu()
+            rows, host_pos = new, lens
         else:
             rows.admit(torch.tensor(free, device=target.device), new)
-            host_pos[free] = new.pos.cpu()
+            host_pos[free] = lens
         for i, (r, req) in enumerate(zip(free, reqs)):
             request[r:r + 1] = [req]
             results[req].verify_steps = 1  # the prefill is a request's first verification step
@@ -574,6 +575,7 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
         if trace is not None:
             trace(dict(record, requests=list(request), steps=[results[r].verify_steps for r in request]))
         host = torch.cat([num_accepted[:, None], out], 1).cpu()  # the one host sync per step
+        was_alive = list(alive)
         for r, req in enumerate(request):
             if alive[r]:
                 a = int(host[r, 0])
@@ -581,7 +583,8 @@ def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, tem
                 results[req].accepted.append(a)
                 host_pos[r] += a + 1
                 alive[r] = _emit(results[req], host[r, 1 : a + 2].tolist(), max_new_tokens, stop_ids, on_emit, req)
-        rows.live = torch.tensor(alive, device=target.device) if not all(alive) else rows.live
+        if alive != was_alive:  # a row finished: its anchor and position freeze from now on
+            rows.live = torch.tensor(alive, device=target.device)
     return results
 
 
