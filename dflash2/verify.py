@@ -4,6 +4,8 @@ This module imports nothing but torch, so other implementations can use it as an
 transformers. Randomness comes in as uniform tensors drawn by the caller, so nothing here needs a
 host sync and every result can be replayed.
 """
+from typing import NamedTuple, Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -171,8 +173,6 @@ def verify_sampled(draft_ids, q, p, u_accept, u_emit, num_drafts=None):
 # (build_tree; build_tree_reference is the obvious heap search it must equal), the attention mask
 # among [anchor, nodes] (tree_ancestors), and the greedy and sampled descents (verify_tree_*).
 # Everything but the reference is batched and free of host syncs.
-
-from typing import NamedTuple, Optional  # noqa: E402  (this section's own import)
 
 
 class Tree(NamedTuple):
