@@ -230,11 +230,12 @@ def select_path(selector, h, U, anchor, method, temperature, generator, with_can
 
 def select_tree(selector, h, U, anchor, budget, scores, max_depth):
     """dflash2-tree: the `budget` best nodes of the block's candidate tree (docs/SPEC.md §9), by path
-    scores from the selector's conditional law (softmax over C_t of S_t(a, .)) or, as DDTree, from each
+    scores from the selector's conditional law (S_t(a, .) over C_t, normalised over the whole vocabulary with
+    U_t outside C_t: verify.selector_log_weights) or, as DDTree, from each
     slot's marginal log softmax(U_t) over its top-`budget` tokens. max_depth [b]: each row's drafts."""
     if scores == "selector":
         cand_ids, _ = selector.candidates(U, selector.top_k)
-        logw = selector_log_weights(selector.edge_scores(h, U, cand_ids, anchor))
+        logw = selector_log_weights(selector.edge_scores(h, U, cand_ids, anchor), U, cand_ids)
     else:
         cand_ids, logw = marginal_log_weights(U, budget)
     return build_tree(logw, cand_ids, budget, max_depth)

@@ -197,13 +197,21 @@ class Tree(NamedTuple):
     slots: Optional[int] = None
 
 
-def selector_log_weights(S):
-    """Selector path scores: log w_t(a, c) = log_softmax over C_t of S_t(a, c), the walk's law at temperature 1.
+def selector_log_weights(S, U, cand_ids):
+    """Selector path scores: the walk's law over the whole vocabulary, read at the candidates.
 
-    S [b, n, K, K] (S[:, t-1, a, c] = S_t(C_{t-1}[a], C_t[c]); for t = 1 every row is the anchor's)
-    -> logw [b, n, K, K] float32.
+    log w_t(a, c) = S_t(a, c) - log(sum over c' in C_t of exp S_t(a, c') + sum over v not in C_t of exp U_t(v)):
+    the softmax over C_t that the walk samples from at T = 1, with the tokens outside C_t kept at their
+    draft logits (no edge term). So a slot whose K candidates hold little of the draft's mass scores
+    its paths lower, and a tree spends its nodes where they are likely to be taken (docs/SPEC_NOTES.md,
+    "Tree scores"). Every weight is <= 0, as build_tree needs.
+
+    S [b, n, K, K] (S[:, t-1, a, c] = S_t(C_{t-1}[a], C_t[c]); for t = 1 every row is the anchor's),
+    U [b, n, V] the draft logits, cand_ids [b, n, K] -> logw [b, n, K, K] float32.
     """
-    return torch.log_softmax(S.float(), -1)
+    S = S.float()
+    outside = U.float().scatter(-1, cand_ids, float("-inf")).logsumexp(-1)  # [b, n]; -inf when C_t is all of V
+    return S - torch.logaddexp(S.logsumexp(-1), outside[:, :, None])[..., None]
 
 
 def marginal_log_weights(U, width):

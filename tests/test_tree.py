@@ -44,10 +44,11 @@ def make_scores(kind, b, n, K, V, ties, seed):
         cand_ids, logw = verify.marginal_log_weights(draw(b, n, V), K)
         return logw, cand_ids
     V = max(V, K)
+    U = draw(b, n, V)
     cand_ids = torch.randn(b, n, V, generator=gen).topk(K, -1).indices
     S = draw(b, n, K, K)
     S[:, 0] = S[:, 0, :1]  # slot 1: every row is the anchor's
-    return verify.selector_log_weights(S), cand_ids
+    return verify.selector_log_weights(S, U, cand_ids), cand_ids
 
 
 @st.composite
@@ -170,9 +171,19 @@ def test_build_tree_is_the_brute_force_top_n(cfg):
 def test_score_helpers():
     gen = torch.Generator().manual_seed(0)
     S = torch.randn(2, 3, 4, 4, generator=gen, dtype=torch.float64)
-    logw = verify.selector_log_weights(S)
-    assert logw.dtype == torch.float32 and torch.equal(logw, torch.log_softmax(S.float(), -1))
     U = torch.randn(2, 3, 10, generator=gen)
+    cand = torch.randn(2, 3, 10, generator=gen).topk(4, -1).indices
+    logw = verify.selector_log_weights(S, U, cand)
+    # The same law built the long way: a full-vocabulary row, U_t with the candidates' entries replaced by S_t(a, .).
+    for r, t, a in itertools.product(range(2), range(3), range(4)):
+        row = U[r, t].double().clone()
+        row[cand[r, t]] = S[r, t, a]
+        want = torch.log_softmax(row, -1)[cand[r, t]]
+        assert torch.allclose(logw[r, t, a].double(), want, atol=1e-6)
+    assert logw.dtype == torch.float32 and bool((logw <= 0).all())
+    # Candidates that are the whole vocabulary: the walk's law itself.
+    full = U[:, :, :4].topk(4, -1).indices
+    assert torch.allclose(verify.selector_log_weights(S, U[:, :, :4], full), torch.log_softmax(S.float(), -1))
     for width, M in ((4, 4), (10, 10), (64, 10)):
         ids, lw = verify.marginal_log_weights(U, width)
         assert ids.shape == (2, 3, M) and lw.shape == (2, 3, M, M)
