@@ -429,13 +429,8 @@ def decode_tree_step(target, drafter, rows, sampling, B, budget, scores, view_le
     sizes = block_sizes(rows.end, rows.pos, B)
     h, U = draft(drafter, target, rows.ctx, rows.anchor, rows.pos, ctx_len, B, sizes)
     tree = select_tree(drafter.candidate_selector, h, U, rows.anchor, budget, scores, sizes - 1)
-    entry = torch.arange(budget + 1, device=device)
-    slots = rows.pos[:, None] + entry
+    slots, visible = tree_mask(rows.pos, tree.parents, view_len)
     depth = torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1)
-    # Every entry sees the context (the slots before its anchor) and, among the scratch slots, its ancestors.
-    context = torch.arange(view_len, device=device)[None, None, :] < rows.pos[:, None, None]
-    visible = context.expand(b, budget + 1, view_len).clone()
-    visible.scatter_(2, slots[:, None, :].expand(b, budget + 1, budget + 1), tree_ancestors(tree.parents))
     ids = torch.cat([rows.anchor[:, None], tree.tokens], 1)
     logits, feats = target.forward(ids, rows.pos[:, None] + depth, rows.cache, view_len, slots=slots, visible=visible)
     u = None
@@ -451,6 +446,18 @@ def decode_tree_step(target, drafter, rows, sampling, B, budget, scores, view_le
     commit_path(rows, feats, path, B)
     rows.advance(num_accepted, out)
     return num_accepted, out, record
+
+
+def tree_mask(pos, parents, view_len):
+    """Where a tree's entries [anchor, nodes] go and what they see: slots [b, N+1] = pos .. pos + N (scratch
+    slots past the row's committed ones) and visible [b, N+1, view_len]: the context (every slot before the
+    anchor) and, among the scratch slots, the entry's ancestors and itself."""
+    b, N = parents.shape
+    slots = pos[:, None] + torch.arange(N + 1, device=pos.device)
+    visible = (torch.arange(view_len, device=pos.device)[None, None, :] < pos[:, None, None]).expand(b, N + 1, view_len)
+    visible = visible.clone()
+    visible.scatter_(2, slots[:, None, :].expand(b, N + 1, N + 1), tree_ancestors(parents))
+    return slots, visible
 
 
 def commit_path(rows, feats, path, B):

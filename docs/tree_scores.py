@@ -25,8 +25,8 @@ from dflash2.bench import format_prompt, load_tasks
 from dflash2.model import DraftContext
 from dflash2.pair import load_pair, stop_token_ids
 from dflash2.prompts import chat_ids
-from dflash2.spec_decode import draft, generate
-from dflash2.verify import build_tree, marginal_log_weights, process_logits, selector_log_weights, tree_ancestors
+from dflash2.spec_decode import draft, generate, tree_mask
+from dflash2.verify import build_tree, marginal_log_weights, process_logits, selector_log_weights
 
 # The scores compared: the selector's (this project's default), the walk's own law (softmax over the K
 # candidates only: the selector score before 2026-12-05), and DDTree's per-slot marginals.
@@ -83,10 +83,8 @@ def tree_target_law(target, cache, tree, anchor, pos, max_len, args):
     """P at [anchor, nodes] from one target forward with the tree mask (as decode_tree_step builds it)."""
     r, N = tree.tokens.shape
     view_len = int(pos.max()) + N + 1
-    slots = pos[:, None] + torch.arange(N + 1)
+    slots, visible = tree_mask(pos, tree.parents, view_len)
     depth = torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1)
-    visible = (torch.arange(view_len)[None, None, :] < pos[:, None, None]).expand(r, N + 1, view_len).clone()
-    visible.scatter_(2, slots[:, None, :].expand(r, N + 1, N + 1), tree_ancestors(tree.parents))
     logits, _ = target.forward(torch.cat([anchor[:, None], tree.tokens], 1), pos[:, None] + depth,
                                rows_cache(target, cache, r, max_len), view_len, slots=slots, visible=visible)
     return process_logits(logits, args.temperature, args.top_k, args.top_p)
