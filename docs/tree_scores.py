@@ -29,11 +29,16 @@ from dflash2.spec_decode import draft, generate, tree_mask
 from dflash2.verify import build_tree, marginal_log_weights, process_logits, selector_log_weights
 
 # The scores compared: the selector's (this project's default), the walk's own law (softmax over the K
-# candidates only: the selector score before 2026-12-05), and DDTree's per-slot marginals.
+# candidates only: the selector score before 2026-12-05), and DDTree's per-slot marginals; also
+# selector:T (e.g. --scores selector,selector:0.7), the selector's law sharpened or flattened by T.
 SCORES = ("selector", "walk", "marginal")
 
 
 def tree_logw(name, sel, h, U, anchor, budget):
+    if name.startswith("selector:"):  # selector:T, the law at temperature T (S and U divided by T)
+        t = float(name.split(":")[1])
+        cand, _ = sel.candidates(U, sel.top_k)
+        return cand, selector_log_weights(sel.edge_scores(h, U, cand, anchor).float() / t, U.float() / t, cand)
     if name == "marginal":
         return marginal_log_weights(U, budget)
     cand, _ = sel.candidates(U, sel.top_k)
