@@ -35,15 +35,14 @@ SCORES = ("selector", "walk", "marginal")
 
 
 def tree_logw(name, sel, h, U, anchor, budget):
-    if name.startswith("selector:"):  # selector:T, the law at temperature T (S and U divided by T)
-        t = float(name.split(":")[1])
-        cand, _ = sel.candidates(U, sel.top_k)
-        return cand, selector_log_weights(sel.edge_scores(h, U, cand, anchor).float() / t, U.float() / t, cand)
     if name == "marginal":
         return marginal_log_weights(U, budget)
     cand, _ = sel.candidates(U, sel.top_k)
-    S = sel.edge_scores(h, U, cand, anchor)
-    return cand, (selector_log_weights(S, U, cand) if name == "selector" else torch.log_softmax(S.float(), -1))
+    S = sel.edge_scores(h, U, cand, anchor).float()
+    if name == "walk":
+        return cand, torch.log_softmax(S, -1)
+    t = float(name.split(":")[1]) if name.startswith("selector:") else 1.0  # selector:T: S and U divided by T
+    return cand, selector_log_weights(S / t, U.float() / t, cand)
 
 
 def greedy_accepted(tree, ref, max_depth):
