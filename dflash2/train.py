@@ -411,6 +411,16 @@ def ddp_setup(device):
     return dist.get_rank(), world, device
 
 
+def ddp_teardown():
+    """Under torchrun, once the command is done: wait for every rank (rank 0 may still be writing the drafter), then
+    leave the process group. A rank that exits without destroy_process_group can die in SIGABRT while the interpreter
+    shuts down, Gloo's threads still holding tensors of DDP's last all-reduce (pytorch/pytorch#179291); it did so
+    once in our CI, failing a two-process run that had trained correctly."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 class _Loss(torch.nn.Module):
     """drafter_loss as a module's forward: DistributedDataParallel averages the gradients of what runs through it."""
 
@@ -804,6 +814,7 @@ def main(argv=None):
     else:
         before = [json.loads(Path(b).read_text()) for b in args.before]
         plot_history(json.loads((Path(args.out) / "history.json").read_text()), args.png, before=before)
+    ddp_teardown()
 
 
 if __name__ == "__main__":

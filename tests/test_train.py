@@ -2,6 +2,7 @@
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -321,7 +322,10 @@ def test_torchrun_trains_data_parallel_on_two_cpu_processes(tmp_path):
         (tmp_path / out / "data").symlink_to(tmp_path / "data")
         done = subprocess.run([*launch, "-m", "dflash2.train", "train", "--out", str(tmp_path / out), *flags],
                               capture_output=True, text=True, env=env, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
+        # torchrun ends its stderr with its own summary; the failing rank's message (a traceback, an abort's what())
+        # comes earlier, so show those lines first
+        cause = [x for x in done.stderr.splitlines() if re.search(r"Error|error|terminate|what\(\)|Abort|abort", x)]
+        assert done.returncode == 0, "\n".join(cause)[-3000:] + "\n...\n" + done.stderr[-1500:]
         printed[out] = done.stdout
     assert "on each of 2 processes" in printed["ddp"] and "processes" not in printed["one"]
     ddp = DFlash2Drafter.from_pretrained(tmp_path / "ddp" / "drafter", dtype=torch.float32)
