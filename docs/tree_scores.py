@@ -30,7 +30,9 @@ from dflash2.verify import build_tree, marginal_log_weights, process_logits, sel
 
 # The scores compared: the selector's (this project's default), the walk's own law (softmax over the K
 # candidates only: the selector score before 2026-12-05), and DDTree's per-slot marginals; also
-# selector:T (e.g. --scores selector,selector:0.7), the selector's law sharpened or flattened by T.
+# selector:T (e.g. --scores selector,selector:0.7), the selector's law sharpened or flattened by T; mix:λ, the
+# selector's law mixed with DDTree's marginal (λ on the selector's, both read at the K candidates); walkmix:λ, a
+# log-linear blend of the selector's law (weight λ) and the walk's.
 SCORES = ("selector", "walk", "marginal")
 
 
@@ -41,6 +43,14 @@ def tree_logw(name, sel, h, U, anchor, budget):
     S = sel.edge_scores(h, U, cand, anchor).float()
     if name == "walk":
         return cand, torch.log_softmax(S, -1)
+    if name.startswith("mix:"):
+        lam = float(name.split(":")[1])
+        sw = selector_log_weights(S, U.float(), cand)
+        mg = torch.log_softmax(U.float(), -1).gather(-1, cand)[:, :, None, :].expand_as(sw)
+        return cand, torch.logaddexp(sw + math.log(lam), mg + math.log1p(-lam))
+    if name.startswith("walkmix:"):
+        lam = float(name.split(":")[1])
+        return cand, lam * selector_log_weights(S, U.float(), cand) + (1 - lam) * torch.log_softmax(S, -1)
     t = float(name.split(":")[1]) if name.startswith("selector:") else 1.0  # selector:T: S and U divided by T
     return cand, selector_log_weights(S / t, U.float() / t, cand)
 
