@@ -9,8 +9,9 @@ from targets import reference_greedy, tiny_drafter, tiny_target
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_compiled_equals_eager_and_never_recompiles(backend):
+@pytest.mark.parametrize("backend,method", [("sdpa", "dflash2"), ("flex", "dflash2"), ("sdpa", "dflash2-tree")])
+def test_compiled_equals_eager_and_never_recompiles(backend, method):
+    """The chain, and the tree (its target forward takes slots and a tree mask: compiled per view bucket too)."""
     if backend not in kernels.attention_backends() or (backend == "flex" and not torch.cuda.is_available()):
         pytest.skip("flex inside the compiled drafter needs a GPU (CPU inductor cannot lower it, torch 2.13)")
     torch._dynamo.reset()
@@ -19,14 +20,15 @@ def test_compiled_equals_eager_and_never_recompiles(backend):
     drafter = tiny_drafter(model, head_dim=16)  # CPU flex kernels need head_dim >= 16
     target = sd.Target(model, drafter.config.target_layer_ids)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-    eager = [sd.generate(target, drafter, [p], max_new_tokens=512)[0].tokens for p in prompts]
+    kw = dict(method=method, tree_budget=8) if method == "dflash2-tree" else {}
+    eager = [sd.generate(target, drafter, [p], max_new_tokens=512, **kw)[0].tokens for p in prompts]
 
     drafter.attn_backend = backend
     sd.compile_core(target, drafter)
-    warm = sd.generate(target, drafter, [prompts[0]], max_new_tokens=512, static=True)[0]
+    warm = sd.generate(target, drafter, [prompts[0]], max_new_tokens=512, static=True, **kw)[0]
     graphs = counters["stats"]["unique_graphs"]
     frames, recompiles = dict(counters["frames"]), dict(counters["recompiles"])
-    steady = sd.generate(target, drafter, [prompts[1]], max_new_tokens=512, static=True)[0]
+    steady = sd.generate(target, drafter, [prompts[1]], max_new_tokens=512, static=True, **kw)[0]
     assert warm.tokens == eager[0] and steady.tokens == eager[1]
     assert counters["stats"]["unique_graphs"] == graphs, "a 512-token generation recompiled after warm-up"
     assert dict(counters["frames"]) == frames
