@@ -32,11 +32,12 @@ from dflash2.verify import build_tree, marginal_log_weights, process_logits, sel
 # candidates only: the selector score before 2026-12-05), and DDTree's per-slot marginals; also
 # selector:T (e.g. --scores selector,selector:0.7), the selector's law sharpened or flattened by T; mix:λ, the
 # selector's law mixed with DDTree's marginal (λ on the selector's, both read at the K candidates); walkmix:λ, a
-# log-linear blend of the selector's law (weight λ) and the walk's.
+# log-linear blend of the selector's law (weight λ) and the walk's; processed (sampling only), the selector's law
+# put through the target's processing (temperature, top-k, top-p) before it is read at the candidates.
 SCORES = ("selector", "walk", "marginal")
 
 
-def tree_logw(name, sel, h, U, anchor, budget):
+def tree_logw(name, sel, h, U, anchor, budget, args):
     if name == "marginal":
         return marginal_log_weights(U, budget)
     cand, _ = sel.candidates(U, sel.top_k)
@@ -48,6 +49,12 @@ def tree_logw(name, sel, h, U, anchor, budget):
         sw = selector_log_weights(S, U.float(), cand)
         mg = torch.log_softmax(U.float(), -1).gather(-1, cand)[:, :, None, :].expand_as(sw)
         return cand, torch.logaddexp(sw + math.log(lam), mg + math.log1p(-lam))
+    if name == "processed":  # the selector's whole-vocabulary law processed as the target's (T, top-k, top-p)
+        b, n, K, _ = S.shape
+        full = U.float()[:, :, None, :].expand(b, n, K, U.shape[-1]).clone()
+        full.scatter_(-1, cand[:, :, None, :].expand(b, n, K, K), S)
+        P = process_logits(full, args.temperature, args.top_k, args.top_p)
+        return cand, P.gather(-1, cand[:, :, None, :].expand(b, n, K, K)).log()
     if name.startswith("walkmix:"):
         lam = float(name.split(":")[1])
         return cand, lam * selector_log_weights(S, U.float(), cand) + (1 - lam) * torch.log_softmax(S, -1)
@@ -137,6 +144,8 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=16, help="anchors drafted per forward")
     args = ap.parse_args(argv)
     budgets, scores = [int(b) for b in args.budgets.split(",")], args.scores.split(",")
+    if "processed" in scores and args.temperature == 0:
+        ap.error("--scores processed needs --temperature > 0 (it processes the law as the target's sampling does)")
     pair = load_pair()
     target, drafter, tok = pair.target, pair.drafter, pair.tokenizer
     sel, B = drafter.candidate_selector, drafter.config.block_size
@@ -181,7 +190,7 @@ def main(argv=None):
                     per_anchor.setdefault("chain", []).append(torch.minimum(run, max_depth))
                 for name in scores:
                     for N in budgets:
-                        cand, logw = tree_logw(name, sel, h, U, anchor, N)
+                        cand, logw = tree_logw(name, sel, h, U, anchor, N, args)
                         tree = build_tree(logw, cand, N, max_depth)
                         col = f"{name}@{N}"
                         if sampled:
