@@ -38,28 +38,30 @@ SCORES = ("selector", "walk", "marginal")
 
 
 def tree_logw(name, sel, h, U, anchor, budget, args):
+    """(candidate ids, log weights) of the score `name` (see SCORES and the list above it)."""
     if name == "marginal":
         return marginal_log_weights(U, budget)
     cand, _ = sel.candidates(U, sel.top_k)
-    S = sel.edge_scores(h, U, cand, anchor).float()
-    if name == "walk":
+    S, U = sel.edge_scores(h, U, cand, anchor).float(), U.float()
+    kind, _, value = name.partition(":")
+    x = float(value) if value else 1.0
+    if kind == "walk":
         return cand, torch.log_softmax(S, -1)
-    if name.startswith("mix:"):
-        lam = float(name.split(":")[1])
-        sw = selector_log_weights(S, U.float(), cand)
-        mg = torch.log_softmax(U.float(), -1).gather(-1, cand)[:, :, None, :].expand_as(sw)
-        return cand, torch.logaddexp(sw + math.log(lam), mg + math.log1p(-lam))
-    if name == "processed":  # the selector's whole-vocabulary law processed as the target's (T, top-k, top-p)
+    if kind == "selector":  # selector:T: S and U divided by T
+        return cand, selector_log_weights(S / x, U / x, cand)
+    if kind == "processed":  # the selector's whole-vocabulary law processed as the target's (T, top-k, top-p)
         b, n, K, _ = S.shape
-        full = U.float()[:, :, None, :].expand(b, n, K, U.shape[-1]).clone()
+        full = U[:, :, None, :].expand(b, n, K, U.shape[-1]).clone()
         full.scatter_(-1, cand[:, :, None, :].expand(b, n, K, K), S)
         P = process_logits(full, args.temperature, args.top_k, args.top_p)
         return cand, P.gather(-1, cand[:, :, None, :].expand(b, n, K, K)).log()
-    if name.startswith("walkmix:"):
-        lam = float(name.split(":")[1])
-        return cand, lam * selector_log_weights(S, U.float(), cand) + (1 - lam) * torch.log_softmax(S, -1)
-    t = float(name.split(":")[1]) if name.startswith("selector:") else 1.0  # selector:T: S and U divided by T
-    return cand, selector_log_weights(S / t, U.float() / t, cand)
+    law = selector_log_weights(S, U, cand)
+    if kind == "mix":  # x on the selector's law, 1 - x on DDTree's marginal
+        marginal = torch.log_softmax(U, -1).gather(-1, cand)[:, :, None, :].expand_as(law)
+        return cand, torch.logaddexp(law + math.log(x), marginal + math.log1p(-x))
+    if kind == "walkmix":
+        return cand, x * law + (1 - x) * torch.log_softmax(S, -1)
+    raise SystemExit(f"error: unknown score {name!r}")
 
 
 def greedy_accepted(tree, ref, max_depth):
@@ -144,6 +146,10 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=16, help="anchors drafted per forward")
     args = ap.parse_args(argv)
     budgets, scores = [int(b) for b in args.budgets.split(",")], args.scores.split(",")
+    unknown = [s for s in scores if s.partition(":")[0] not in SCORES + ("processed", "mix", "walkmix")]
+    if unknown:
+        ap.error(f"unknown --scores {', '.join(unknown)}: choose from selector[:T], walk, marginal, mix:λ, "
+                 "walkmix:λ, processed")
     if "processed" in scores and args.temperature == 0:
         ap.error("--scores processed needs --temperature > 0 (it processes the law as the target's sampling does)")
     pair = load_pair()
