@@ -195,6 +195,7 @@ def decode_main(args):
     from tqdm import tqdm
 
     from dflash2 import spec_decode as sd
+    from dflash2.machine import emulated, machine
     from dflash2.pair import DTYPES, encode_prompt, load_pair, stop_token_ids
     from dflash2.trace import run
 
@@ -202,6 +203,8 @@ def decode_main(args):
     pair = load_pair(args.target, args.draft, device, dtype, needs_draft=args.method != "ar",
                      draft_dtype=DTYPES[args.draft_dtype] if args.draft_dtype else None, prepack=not args.no_prepack,
                      attn_backend=args.attn_backend)
+    if not args.json and args.draft_dtype and emulated(device, DTYPES[args.draft_dtype]):
+        print(f"note: --draft-dtype {args.draft_dtype}: {pair.draft_dtype_reason}", file=sys.stderr)
     prompt = encode_prompt(pair.tokenizer, text, args.system, chat=not args.no_chat_template)
     settings = decode_settings(args, pair, stop_token_ids(pair.target.model, pair.tokenizer))
     if args.compile:  # compile at the edge; the loop itself stays plain Python
@@ -214,7 +217,9 @@ def decode_main(args):
     report = dict(text=text_out, method=args.method, completion_tokens=len(res.tokens),
                   verify_steps=res.verify_steps, acceptance_length=res.acceptance_length,
                   tokens_per_s=len(res.tokens) / seconds, prefill_ms=ttft * 1000,
-                  target=pair.target_id, draft=pair.draft_id)
+                  target=pair.target_id, draft=pair.draft_id, dtype=dtype_name(pair.dtype),
+                  draft_dtype=None if pair.drafter is None else dtype_name(next(pair.drafter.parameters()).dtype),
+                  draft_dtype_reason=pair.draft_dtype_reason, machine=machine().describe())
     if stream is not None:
         stream.show(text_out, final=True)
         print(flush=True)
@@ -225,7 +230,7 @@ def decode_main(args):
             print(f"[ar] decoding the same prompt autoregressively for the speedup (up to {args.max_new_tokens} "
                   "tokens) ...", file=sys.stderr)
         with tqdm(total=args.max_new_tokens, desc="ar baseline", unit="tok", file=sys.stderr, leave=False,
-                  disable=stream is None) as bar:
+                  disable=stream is None or not sys.stderr.isatty()) as bar:  # a log gets the summary line only
             ar_settings = {k: v for k, v in settings.items() if not k.startswith("tree_")}
             (ar,), ar_seconds, _ = run(pair, [prompt], dict(ar_settings, method="ar", block_size=None),
                                        on_emit=lambda request, tokens: bar.update(len(tokens)))
@@ -245,9 +250,16 @@ def decode_main(args):
 def stats_line(report):
     """The stderr summary; its names are the JSON report's keys."""
     tau = report["acceptance_length"]  # None when the prefill's token ended the request
-    return (f"[{report['method']}] completion_tokens {report['completion_tokens']}, "
+    line = (f"[{report['method']}] completion_tokens {report['completion_tokens']}, "
             f"verify_steps {report['verify_steps']}, acceptance_length {'n/a' if tau is None else f'{tau:.2f}'}, "
             f"tokens_per_s {report['tokens_per_s']:.1f}, prefill_ms {report['prefill_ms']:.0f}")
+    if report.get("draft_dtype"):
+        line += f"\n[{report['method']}] draft_dtype {report['draft_dtype']} ({report['draft_dtype_reason']}); {report['machine']}"
+    return line
+
+
+def dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
 
 
 def check_trace_main(args):

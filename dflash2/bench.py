@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import spec_decode
+from . import machine, spec_decode
 from .kernels import check_attn_backend, prepack_linears
 from .model import DFlash2Drafter
 from .pair import load_target, stop_token_ids
@@ -144,7 +144,7 @@ def synthetic_pair(name, layers, device, dtype, draft_dtype, attn_backend, prepa
                          block_size=8, selector_rank=256 if name != "tiny" else 16, selector_top_k=16,
                          dtype="bfloat16").validate()
     with torch.device(device):
-        drafter = DFlash2Drafter(dcfg, attn_backend).to(draft_dtype or torch.bfloat16)
+        drafter = DFlash2Drafter(dcfg, attn_backend).to(machine.draft_dtype(device, torch.bfloat16, draft_dtype)[0])
     if prepack:
         prepack_linears(model)
         prepack_linears(drafter)
@@ -700,6 +700,7 @@ def main(argv=None):
         if any(method_settings(m, args)["method"] in METHODS and m != "ar" for m in args.methods):
             drafter = DFlash2Drafter.from_pretrained(args.draft, device=args.device, dtype=draft_dtype,
                                                      attn_backend=args.attn_backend)
+            drafter = drafter.to(machine.draft_dtype(args.device, next(drafter.parameters()).dtype, draft_dtype)[0])
         if drafter is not None and not args.no_prepack:
             prepack_linears(drafter)
         stop_ids = stop_token_ids(model, tokenizer)
@@ -707,6 +708,7 @@ def main(argv=None):
     if drafter is not None:  # record what ran
         args.draft_dtype = str(next(drafter.parameters()).dtype).removeprefix("torch.")
         args.attn_backend = drafter.attn_backend
+    args.machine = machine.machine().describe()
     target = Target(model, drafter.config.target_layer_ids if drafter is not None else ())
     eager = core_functions(target, drafter)
     maybe_compile(target, drafter, args.compile)

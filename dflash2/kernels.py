@@ -8,6 +8,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from .machine import machine
+
 
 def drafter_mask(q_pos, k_pos, k_valid, sliding_window=None, causal=False):
     """[b, 1, T, S] bool: query i sees key j iff k_valid[j], |q_pos_i - k_pos_j| < sliding_window, and,
@@ -202,13 +204,13 @@ class PackedLinear(torch.nn.Module):
 
 
 def can_prepack(weight):
-    """Whether PackedLinear applies: a float32 or bfloat16 weight on CPU, and a torch with oneDNN."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether PackedLinear applies: a CPU weight in float32, or in bfloat16 where oneDNN has bf16 kernels
+    (machine.Machine.packs: on an AVX2-only CPU oneDNN's bf16 reorder raises)."""
+    return weight.device.type == "cpu" and machine().packs(weight.dtype)
 
 
 def prepack_linears(model):
-    """Swap every nn.Linear of a CPU float32/bfloat16 model for a PackedLinear, in place; returns how many."""
+    """Swap every nn.Linear of a CPU model that can_prepack for a PackedLinear, in place; returns how many."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is torch.nn.Linear and can_prepack(child.weight)]
     for parent, name, child in swaps:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from . import machine
 from .checkpoint import load_drafter, read_json, resolve_checkpoint
 from .kernels import prepack_linears
 from .settings import DEFAULT_DRAFT, DEFAULT_TARGET, InputError, LoadError, is_hub_id, local_checkpoint, one_line
@@ -26,6 +27,7 @@ class Pair:
     draft_dir: Path | None
     dtype: torch.dtype
     device: torch.device
+    draft_dtype_reason: str | None = None  # why the drafter runs in its dtype (machine.draft_dtype)
 
 
 def resolve_target(name):
@@ -79,17 +81,19 @@ def load_pair(target_name=None, draft_name=None, device="cpu", dtype=torch.float
         lm, tok = load_target(str(target_dir), device, dtype, prepack=prepack)
     except Exception as e:
         raise LoadError(f"cannot load target {target_id}: {one_line(e)}") from e
-    drafter = None
+    drafter = reason = None
     if needs_draft:
         try:
             drafter = load_drafter(draft_dir, device=device, dtype=draft_dtype, attn_backend=attn_backend)
         except Exception as e:  # CheckpointError, bad JSON, unreadable safetensors
             raise LoadError(f"cannot load drafter {draft_id}: {one_line(e)}") from e
         check_pair(lm, drafter)
+        resolved, reason = machine.draft_dtype(device, next(drafter.parameters()).dtype, draft_dtype)
+        drafter = drafter.to(resolved)  # bf16 weights widen to float32 exactly; only the arithmetic changes
         if prepack:
             prepack_linears(drafter)
     target = Target(lm, drafter.config.target_layer_ids if drafter is not None else ())
-    return Pair(tok, drafter, target, target_id, target_dir, draft_id, draft_dir, dtype, device)
+    return Pair(tok, drafter, target, target_id, target_dir, draft_id, draft_dir, dtype, device, reason)
 
 
 def check_pair(lm, drafter):

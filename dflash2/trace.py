@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from . import spec_decode as sd
+from .machine import machine
 from .pair import DTYPES, load_pair
 from .settings import InputError, one_line
 
@@ -75,6 +76,7 @@ def config_record(pair, prompts, settings):
     return dict(type="config", format=TRACE_FORMAT, target=target, draft=draft,
                 dtype=str(pair.dtype).removeprefix("torch."), device=str(pair.device),
                 draft_dtype=None if pair.drafter is None else str(next(pair.drafter.parameters()).dtype).removeprefix("torch."),
+                draft_dtype_reason=pair.draft_dtype_reason, machine=machine().asdict(),
                 prepacked=pair.target.prepacked, **settings,
                 prompts=[list(p) for p in prompts])
 

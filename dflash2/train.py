@@ -29,11 +29,12 @@ from tqdm import tqdm
 
 from .bench import format_prompt, load_tasks, mean_tau
 from .checkpoint import DFlash2Config, spread_target_layer_ids
+from .machine import half_dtype
 from .model import DFlash2Drafter
 from .pair import cache_kwarg, load_target, stop_token_ids
 from .prompts import (FOLLOW_UPS, PROMPT_SOURCES, SELF_INSTRUCT_KINDS, SELF_INSTRUCT_TOPICS, chat_ids, filter_generated,
                       training_prompts)
-from .settings import DEFAULT_TARGET, HelpFormatter, check_sampling_params
+from .settings import DEFAULT_TARGET, DTYPE_NAMES, HelpFormatter, check_sampling_params
 from .spec_decode import Target, generate
 from .verify import process_logits
 
@@ -129,7 +130,7 @@ def make_data(args):
     except ValueError as e:  # a usage error: exit 2, as argparse's
         usage_error(e)
     rank, world, device = ddp_setup(check_device(args.device))
-    model, tok = load_target(args.target, device=device, dtype=getattr(torch, args.dtype))
+    model, tok = load_target(args.target, device=device, dtype=generation_dtype(args.dtype, device))
     taps = [int(t) for t in args.taps.split(",")]
     out = Path(args.out) / "data"
     out.mkdir(parents=True, exist_ok=True)
@@ -232,7 +233,7 @@ def make_prompts(args):
     multi-turn: first turns from --first-turns (a prompts file) or the `talk2` and `docs` sources, the target's
     greedy answer, then a follow-up from FOLLOW_UPS: the response trained on is the answer to the follow-up."""
     device = check_device(getattr(args, "device", "cpu"))
-    model, tok = load_target(args.target, device=device, dtype=getattr(torch, args.dtype))
+    model, tok = load_target(args.target, device=device, dtype=generation_dtype(args.dtype, device))
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
     if args.kind == "self-instruct":
@@ -289,6 +290,12 @@ def load_shards(data_dir: Path):
 
 
 @torch.no_grad()
+def generation_dtype(name, device):
+    """The target's dtype for generating data: the one named, else bf16 where it is native (about 2x faster
+    than float32 on such a CPU), float32 on a CPU that would emulate it (machine.half_dtype)."""
+    return getattr(torch, name) if name else half_dtype(device)
+
+
 def target_features(model, seqs, taps, bf16=True):
     """The frozen target's tapped hidden states over each sequence but its last token, computed now instead of read
     from a shard: [S, L, n*H] float32 on the model's device. Sequences are right padded: causal attention never
@@ -440,6 +447,8 @@ def train(args, target=None):
     pace so far, and the drafter is also written every args.save_minutes."""
     torch.set_num_threads(args.threads)
     rank, world, device = ddp_setup(torch.device(getattr(args, "device", "cpu")))
+    if args.bf16 is None:  # autocast where bf16 is native; emulated bf16 is slower than float32
+        args.bf16 = half_dtype(device) == torch.bfloat16
     deadline, save_s = getattr(args, "deadline", None), 60 * getattr(args, "save_minutes", 0)
     out = Path(args.out)
     meta = json.loads((out / "data" / "meta.json").read_text())
@@ -596,7 +605,7 @@ def run(args):
 
     torch.set_num_threads(args.threads)
     batch_size = args.batch_size or (512 if device.type == "cuda" else 16)
-    model, tok = load_target(args.target, device=device, dtype=torch.bfloat16)  # as `data`: ~2x faster than fp32 on CPU
+    model, tok = load_target(args.target, device=device, dtype=generation_dtype(None, device))
     n_layers = model.config.num_hidden_layers
     taps = (DFlash2Drafter.from_pretrained(args.init).config.target_layer_ids if args.init
             else sorted(set(spread_target_layer_ids(n_layers, min(5, n_layers)))))
@@ -719,7 +728,8 @@ def build_parser():
                         "only and `train` recomputes the features from the target at each step (the GPU way)")
     d.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     d.add_argument("--seed", type=int, default=0, help="prompt shuffle and sampling seed")
-    d.add_argument("--dtype", default="bfloat16", help="target dtype for generation (bf16 is ~2x faster on CPU)")
+    d.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
+                   help="target dtype for generation (default: bfloat16 where native, ~2x faster there; else float32)")
     d.add_argument("--temperature", type=float, default=0.0,
                    help="0: the target's greedy responses; > 0: sampled ones (e.g. 0.7 or 1.0, as users sample)")
     d.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampled responses (the card uses 0.95)")
@@ -737,7 +747,8 @@ def build_parser():
     pr.add_argument("--device", default="cpu", help=device_help)
     pr.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     pr.add_argument("--seed", type=int, default=0, help="topic/kind draw and sampling seed")
-    pr.add_argument("--dtype", default="bfloat16", help="target dtype for generation")
+    pr.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
+                    help="target dtype for generation (default: bfloat16 where native, else float32)")
     t = sub.add_parser("train", help="fit a drafter on the self-distilled data", formatter_class=HelpFormatter)
     t.add_argument("--out", default="runs/smollm2", help="directory holding data/ (from `dflash2.train data`)")
     t.add_argument("--steps", type=int, default=2000, help="optimizer steps (linear warmup, then cosine decay to lr/10)")
@@ -754,7 +765,8 @@ def build_parser():
     t.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
     t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     t.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
-    t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast matmuls")
+    t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast matmuls (default: on where bf16 is native: CUDA, CPUs with AVX512-BF16/AMX)")
     t.add_argument("--save-every", type=int, default=100, help="write OUT/drafter and the resume state every N steps")
     t.add_argument("--snapshot-every", type=int, default=0, metavar="N",
                    help="also keep the drafter every N steps in OUT/snapshots/step_N (for a tau-vs-steps curve; 0 = off)")
@@ -774,7 +786,7 @@ def build_parser():
     r.add_argument("--minutes", type=float, required=True, help="wall-clock budget, loading included")
     r.add_argument("--out", required=True, help="run directory: data/, drafter/ (published format), run.json")
     r.add_argument("--device", default="cpu", help=device_help)
-    r.add_argument("--target", default=None, help=target_help + ", in bf16")
+    r.add_argument("--target", default=None, help=target_help + ", in bf16 where native, else float32")
     r.add_argument("--data-dir", default="../shared/data", help="GSM8K/MBPP/... files: prompt sources, eval filter, tau")
     r.add_argument("--init", default=None, metavar="DIR", help="fine-tune this published drafter (default: a new "
                                                                 "2-layer one, 5 taps spread over the target's layers)")
