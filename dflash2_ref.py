@@ -10,15 +10,15 @@ Arguments are parsed and checked before torch is imported, so --help and usage e
 The trace format is documented in docs/TRACE.md.
 """
 import argparse
+import dataclasses
 import json
 import sys
 import traceback
 import warnings
 from pathlib import Path
 
-from dflash2.settings import (DEFAULT_DRAFT, DEFAULT_TREE_BUDGET, DEFAULT_TARGET, DTYPE_NAMES, METHODS, HelpFormatter, InputError,
-                              TREE_SCORES, LoadError, check_block_size, check_sampling_params, check_tree_settings,
-                              drafter_block_size, one_line)
+from dflash2.settings import (DEFAULT_DRAFT, DEFAULT_TARGET, DTYPE_NAMES, METHODS, TREE_SCORES, DecodeSettings,
+                              HelpFormatter, InputError, LoadError, SettingError, drafter_block_size, one_line)
 
 
 class Parser(argparse.ArgumentParser):
@@ -77,32 +77,36 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
+# DecodeSettings field -> the flag that sets it (an error names the flag the user typed)
+FLAGS = {"method": "--method", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+         "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "block_size": "--block-size",
+         "tree_budget": "--tree-budget", "tree_scores": "--tree-scores"}
+
+
+def settings_of(args, stop_ids=()):
+    """The run's DecodeSettings from the command line, checked (before torch is imported)."""
+    settings = DecodeSettings(method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=stop_ids,
+                              block_size=args.block_size, tree_budget=args.tree_budget, tree_scores=args.tree_scores)
+    return settings.validate()
+
+
+def as_input_error(e):
+    """A SettingError in the flags' words."""
+    return InputError(f"{FLAGS.get(e.field, e.field)} {e.message}")
+
+
 def check_args(args):
     """Reject bad settings with plain Python, before torch is imported or anything is loaded."""
     try:
-        check_sampling_params(args.temperature, args.top_p, args.top_k)
-    except ValueError as e:
-        raise InputError(str(e).replace("temperature", "--temperature").replace("top_p", "--top-p")
-                         .replace("top_k", "--top-k")) from e
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    try:
-        check_tree_settings(args.tree_budget, args.tree_scores)
-    except ValueError as e:
-        raise InputError(str(e).replace("tree_budget", "--tree-budget")) from e
-    if not args.atol >= 0:
-        raise InputError(f"--atol must be >= 0, got {args.atol}")
-    if args.check_trace is None and args.method != "ar":
-        largest = drafter_block_size(args.draft)  # config.json only; a hub id's is checked after loading
-        if args.block_size is not None:
-            check_block_size_arg(args.block_size, largest)
-
-
-def check_block_size_arg(block_size, largest):
-    try:
-        check_block_size(block_size, largest)
-    except ValueError as e:
-        raise InputError(str(e).replace("block_size", "--block-size")) from e
+        settings = settings_of(args)
+        if not args.atol >= 0:
+            raise InputError(f"--atol must be >= 0, got {args.atol}")
+        if args.check_trace is None and settings.method != "ar":
+            # config.json only; a hub id's is checked after loading
+            settings.resolved("cpu", drafter_block_size(args.draft))
+    except SettingError as e:
+        raise as_input_error(e) from e
 
 
 def read_prompt(args):
@@ -144,17 +148,12 @@ def torch_settings(args):
 
 
 def decode_settings(args, pair, stops):
-    """generate() keyword arguments; the block size resolved so that traces record what actually ran."""
-    block = None
-    if args.method != "ar":
-        block = args.block_size or pair.drafter.config.block_size
-        check_block_size_arg(block, pair.drafter.config.block_size)
-    settings = dict(method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=stops, block_size=block)
-    if args.method == "dflash2-tree":
-        budget = args.tree_budget or DEFAULT_TREE_BUDGET.get(pair.device.type, DEFAULT_TREE_BUDGET["cuda"])
-        settings.update(tree_budget=budget, tree_scores=args.tree_scores)
-    return settings
+    """The run's DecodeSettings, resolved for the loaded drafter and device (what the trace records)."""
+    try:
+        return settings_of(args, stops).resolved(pair.device.type,
+                                                 pair.drafter.config.block_size if pair.drafter else None)
+    except SettingError as e:
+        raise as_input_error(e) from e
 
 
 class Stream:
@@ -209,7 +208,7 @@ def decode_main(args):
     settings = decode_settings(args, pair, stop_token_ids(pair.target.model, pair.tokenizer))
     if args.compile:  # compile at the edge; the loop itself stays plain Python
         sd.compile_core(pair.target, pair.drafter)
-        settings["static"] = True
+        settings = dataclasses.replace(settings, static=True)
 
     stream = None if args.json else Stream(pair.tokenizer, sys.stdout)
     (res,), seconds, ttft = run(pair, [prompt], settings, on_emit=stream, trace_path=args.trace)
@@ -231,8 +230,8 @@ def decode_main(args):
                   "tokens) ...", file=sys.stderr)
         with tqdm(total=args.max_new_tokens, desc="ar baseline", unit="tok", file=sys.stderr, leave=False,
                   disable=stream is None or not sys.stderr.isatty()) as bar:  # a log gets the summary line only
-            ar_settings = {k: v for k, v in settings.items() if not k.startswith("tree_")}
-            (ar,), ar_seconds, _ = run(pair, [prompt], dict(ar_settings, method="ar", block_size=None),
+            ar_settings = dataclasses.replace(settings, method="ar", block_size=None, tree_budget=None)
+            (ar,), ar_seconds, _ = run(pair, [prompt], ar_settings,
                                        on_emit=lambda request, tokens: bar.update(len(tokens)))
         report.update(ar_text=pair.tokenizer.decode(ar.tokens, skip_special_tokens=True),
                       ar_tokens_per_s=len(ar.tokens) / ar_seconds,

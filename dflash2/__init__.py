@@ -5,7 +5,7 @@ The public API, for programs and for other implementations' test suites (an orac
     pair = dflash2.load_pair()                                # embedded SmolLM2-135M + drafter; or dirs/hub ids
     ids = dflash2.encode_prompt(pair.tokenizer, "What is 7 * 8?")
     stops = dflash2.stop_token_ids(pair.target.model, pair.tokenizer)
-    [res] = dflash2.generate(pair.target, pair.drafter, [ids], max_new_tokens=64, stop_ids=stops)
+    [res] = dflash2.generate(pair.target, pair.drafter, [ids], dflash2.DecodeSettings(max_new_tokens=64, stop_ids=stops))
     res.tokens, res.accepted, res.acceptance_length
 
 Names are imported on first use, so `import dflash2` (and the CLI's --help) does not import torch.
@@ -14,9 +14,9 @@ Names are imported on first use, so `import dflash2` (and the CLI's --help) does
 _API = {
     # checkpoint, drafter and selector (SPEC §1-4)
     "DFlash2Drafter": "model", "CandidateSelector": "model", "DynamicConv": "model",
-    "DFlash2Config": "checkpoint", "CheckpointError": "checkpoint", "load_drafter": "checkpoint",
+    "DFlash2Config": "checkpoint", "CheckpointError": "checkpoint", "load_drafter": "model",
     # the loop and its math (SPEC §5)
-    "generate": "spec_decode", "Result": "spec_decode", "Target": "spec_decode", "draft": "spec_decode",
+    "generate": "spec_decode", "Result": "spec_decode", "Target": "target", "DecodeSettings": "settings", "draft": "spec_decode",
     "select_path": "spec_decode", "process_logits": "verify", "verify_greedy": "verify",
     "verify_sampled": "verify", "compile_core": "spec_decode",
     # a target and its drafter together

@@ -11,6 +11,7 @@ requests in flight, batched by our loop: a finished request's row takes the next
 once (continuous batching, as a serving engine's maximum concurrency does).
 """
 import argparse
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -28,8 +29,9 @@ from .kernels import check_attn_backend, prepack_linears
 from .model import DFlash2Drafter
 from .pair import load_target, stop_token_ids
 from .prompts import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
-from .settings import DEFAULT_DRAFT, METHODS, TREE_SCORES, HelpFormatter
-from .spec_decode import Result, Target, compile_core, generate
+from .settings import DEFAULT_DRAFT, METHODS, TREE_SCORES, DecodeSettings, HelpFormatter
+from .spec_decode import Result, compile_core, generate
+from .target import Target
 
 # task: (file under --data-dir, hub (path, config, split), the prompt text of one row)
 SOURCES = {
@@ -208,12 +210,16 @@ def alternate(target, drafter, prompts, args, stop_ids, eager, compiled):
     return rows
 
 
-def method_settings(label, args):
-    """generate()'s method arguments for one of our method labels: dflash2-tree@N is the tree at budget N."""
-    if label.startswith("dflash2-tree"):
-        budget = int(label.split("@")[1]) if "@" in label else None
-        return dict(method="dflash2-tree", tree_budget=budget, tree_scores=args.tree_scores)
-    return dict(method=label)
+def method_settings(label, args, stop_ids=(), **fields):
+    """The DecodeSettings of one of our method labels (dflash2-tree@N is the tree at budget N) under the
+    bench's flags; fields amend it."""
+    tree = label.startswith("dflash2-tree")
+    s = DecodeSettings(method="dflash2-tree" if tree else label, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                       stop_ids=stop_ids, block_size=args.block_size, static=args.compile,
+                       tree_budget=int(label.split("@")[1]) if tree and "@" in label else None,
+                       tree_scores=args.tree_scores)
+    return dataclasses.replace(s, **fields)
 
 
 def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, desc, timings=None):
@@ -236,10 +242,8 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
             bar.update(1)
 
     with metered(meter, bar, target.device) as clock:
-        results = generate(target, drafter, prompts, **method_settings(method, args), max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                           stop_ids=stop_ids, block_size=args.block_size, static=args.compile, on_emit=on_emit,
-                           max_batch=concurrency)
+        results = generate(target, drafter, prompts, method_settings(method, args, stop_ids, max_batch=concurrency),
+                           on_emit=on_emit)
     return results, clock["wall"]
 
 
@@ -697,7 +701,7 @@ def main(argv=None):
         texts = load_tasks(args.tasks, args.data_dir, args.num_prompts)
         model, tokenizer = load_target(args.target, device=args.device, dtype=dtype, prepack=not args.no_prepack)
         drafter = None
-        if any(method_settings(m, args)["method"] in METHODS and m != "ar" for m in args.methods):
+        if any(method_settings(m, args).method in METHODS and m != "ar" for m in args.methods):
             drafter = DFlash2Drafter.from_pretrained(args.draft, device=args.device, dtype=draft_dtype,
                                                      attn_backend=args.attn_backend)
             drafter = drafter.to(machine.draft_dtype(args.device, next(drafter.parameters()).dtype, draft_dtype)[0])
@@ -726,16 +730,14 @@ def main(argv=None):
             if not (m == "zlab" and zlab is None):
                 run_peer(model, m, [first], args, stop_ids, f"warm-up {m}", zlab=zlab, max_new_tokens=8)
             continue
-        generate(target, drafter, [first], **method_settings(m, args),
-                 max_new_tokens=args.max_new_tokens if args.compile else 8,
-                 block_size=args.block_size, static=args.compile)
+        generate(target, drafter, [first], method_settings(m, args, max_new_tokens=args.max_new_tokens if args.compile else 8))
 
     if args.alternate:
         compiled = core_functions(target, drafter)
         for obj, name, fn in eager:  # warm the eager path up too
             setattr(obj, name, fn)
         for m in args.methods:
-            generate(target, drafter, [first], **method_settings(m, args), max_new_tokens=8, block_size=args.block_size)
+            generate(target, drafter, [first], method_settings(m, args, max_new_tokens=8, static=False))
         rows = alternate(target, drafter, prompts, args, stop_ids, eager, compiled)
         for r in rows:
             if r["identical_to_ar"] is False:

@@ -6,8 +6,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from .settings import is_hub_id
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -196,37 +194,22 @@ class CheckpointError(ValueError):
     pass
 
 
-def load_drafter(path_or_hub_id, device=None, dtype=None, attn_backend=None):
-    """DFlash2Drafter from config.json + model.safetensors (or a sharded index) in a directory or a hub id.
-
-    attn_backend: "sdpa", "flex" or "flash" (kernels.drafter_attention); None = the device's default.
-    """
-    from .kernels import check_attn_backend
-    from .model import DFlash2Drafter
-
-    attn_backend = check_attn_backend(attn_backend, device or "cpu")
+def read_checkpoint(path_or_hub_id):
+    """(DFlash2Config, state dict of CPU tensors, directory) of a checkpoint: config.json + model.safetensors
+    (or a sharded index) in a directory or a hub id. model.DFlash2Drafter.from_pretrained builds the model."""
     path = resolve_checkpoint(path_or_hub_id)
-    config = DFlash2Config.from_dict(read_json(path / "config.json"))
-    state = read_safetensors(path)
-    dtype = dtype or getattr(torch, config.dtype)
-    with torch.device("meta"):  # no init work: every tensor comes from the checkpoint
-        model = DFlash2Drafter(config, attn_backend)
-    check_state_dict(model.state_dict(), state, path)
-    model.load_state_dict({k: v.to(device=device or "cpu", dtype=dtype) for k, v in state.items()}, assign=True)
-    return model.eval()
+    return DFlash2Config.from_dict(read_json(path / "config.json")), read_safetensors(path), path
 
 
-def save_drafter(drafter, directory, dtype=None):
+def write_checkpoint(directory, config, state):
     """Write config.json (with dflash_config) and model.safetensors in the published layout."""
     from safetensors.torch import save_file
 
-    dtype = dtype or next(drafter.parameters()).dtype
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = dataclasses.replace(drafter.config, dtype=str(dtype).removeprefix("torch."))
     (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
-    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, directory / "model.safetensors",
+              metadata={"format": "pt"})
 
 
 def resolve_checkpoint(path_or_hub_id):

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from .pair import load_pair
+from .settings import DecodeSettings
 from .trace import config_record, floats, step_record, write_line
 
 PRODUCER = "z-lab dflash==0.1.0 dflash_generate, through dflash2.conformance"
@@ -119,8 +120,7 @@ def write_reference_trace(path, prompts, target=None, draft=None, max_new_tokens
     drafter = load_reference_drafter(pair.draft_dir).to(device)
     block_size = block_size or drafter.block_size
     stop_ids = stop_token_ids(pair.target.model, pair.tokenizer)
-    settings = dict(method="dflash2", max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-                    stop_ids=stop_ids, block_size=block_size)
+    settings = DecodeSettings(method="dflash2", max_new_tokens=max_new_tokens, stop_ids=stop_ids, block_size=block_size)
     records = [dict(config_record(pair, prompts, settings), producer=PRODUCER)]
     results = []
     for request, prompt in enumerate(prompts):

@@ -1,12 +1,14 @@
 """DFlash 2 drafter, in the order data flows (docs/SPEC.md §3-4): tapped target features become
 context K/V; a block [anchor, MASK x (B-1)] runs through bidirectional layers with dynamic
 convolutions; the target's LM head scores each slot; the candidate selector walks one path."""
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoint import load_drafter, save_drafter
-from .kernels import attend, attention_mask
+from .checkpoint import check_state_dict, read_checkpoint, write_checkpoint
+from .kernels import attend, attention_mask, check_attn_backend
 from .verify import sample_index
 
 
@@ -213,12 +215,25 @@ class DFlash2Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path_or_hub_id, device=None, dtype=None, attn_backend=None):
-        """checkpoint.load_drafter: a directory or hub id in the published layout."""
-        return load_drafter(path_or_hub_id, device, dtype, attn_backend)
+        """A drafter from a directory or hub id in the published layout (checkpoint.read_checkpoint), in
+        dtype (default: the checkpoint's); attn_backend as kernels.drafter_attention (None: the device's)."""
+        attn_backend = check_attn_backend(attn_backend, device or "cpu")
+        config, state, path = read_checkpoint(path_or_hub_id)
+        with torch.device("meta"):  # no init work: every tensor comes from the checkpoint
+            model = cls(config, attn_backend)
+        check_state_dict(model.state_dict(), state, path)
+        dtype = dtype or getattr(torch, config.dtype)
+        model.load_state_dict({k: v.to(device=device or "cpu", dtype=dtype) for k, v in state.items()}, assign=True)
+        return model.eval()
 
     def save_pretrained(self, directory, dtype=None):
-        """checkpoint.save_drafter: config.json + model.safetensors in the published layout."""
-        save_drafter(self, directory, dtype)
+        """config.json + model.safetensors in the published layout, in dtype (default: the drafter's)."""
+        dtype = dtype or next(self.parameters()).dtype
+        config = dataclasses.replace(self.config, dtype=str(dtype).removeprefix("torch."))
+        write_checkpoint(directory, config, {k: v.to(dtype) for k, v in self.state_dict().items()})
+
+
+load_drafter = DFlash2Drafter.from_pretrained  # the function form
 
 
 class DraftContext:

@@ -1,7 +1,6 @@
 """Loading: a target (any transformers causal LM, the embedded GGUF default, MiniMax-M3 checkpoints)
 and its drafter, together and checked to fit; prompts through the chat template."""
 import importlib.util
-import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,8 +8,10 @@ from pathlib import Path
 import torch
 
 from . import machine
-from .checkpoint import load_drafter, read_json, resolve_checkpoint
+from .checkpoint import read_json, resolve_checkpoint
 from .kernels import prepack_linears
+from .model import DFlash2Drafter
+from .target import Target, fix_partial_rotary, text_config
 from .settings import DEFAULT_DRAFT, DEFAULT_TARGET, InputError, LoadError, is_hub_id, local_checkpoint, one_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,8 +76,6 @@ def load_pair(target_name=None, draft_name=None, device="cpu", dtype=torch.float
     # Resolve both before loading either, so a missing drafter fails before the slow target load.
     draft_id, draft_dir = resolve_draft(draft_name) if needs_draft else (None, None)
     target_id, target_dir = resolve_target(target_name)
-    from .spec_decode import Target
-
     try:
         lm, tok = load_target(str(target_dir), device, dtype, prepack=prepack)
     except Exception as e:
@@ -84,7 +83,7 @@ def load_pair(target_name=None, draft_name=None, device="cpu", dtype=torch.float
     drafter = reason = None
     if needs_draft:
         try:
-            drafter = load_drafter(draft_dir, device=device, dtype=draft_dtype, attn_backend=attn_backend)
+            drafter = DFlash2Drafter.from_pretrained(draft_dir, device, draft_dtype, attn_backend)
         except Exception as e:  # CheckpointError, bad JSON, unreadable safetensors
             raise LoadError(f"cannot load drafter {draft_id}: {one_line(e)}") from e
         check_pair(lm, drafter)
@@ -98,7 +97,7 @@ def load_pair(target_name=None, draft_name=None, device="cpu", dtype=torch.float
 
 def check_pair(lm, drafter):
     """The drafter reuses the target's embedding and LM head: sizes must agree (Target checks the taps)."""
-    cfg = getattr(lm.config, "text_config", lm.config)
+    cfg = text_config(lm.config)
     dc = drafter.config
     rows = lm.get_output_embeddings().weight.shape[0]
     if dc.hidden_size != cfg.hidden_size:
@@ -201,30 +200,9 @@ def load_target(name_or_path: str | None = None, device="cpu", dtype=torch.float
     return model, tok
 
 
-def cache_kwarg(model):
-    """transformers 5.24+ names the KV cache argument `cache`, earlier 5.x (the GPU machine's 5.17) `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def stop_token_ids(model, tokenizer):
     """The tokenizer's eos plus every eos id of the model's generation config."""
     ids = {tokenizer.eos_token_id}
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     return sorted(i for i in ids if i is not None)
-
-
-def fix_partial_rotary(model):
-    """transformers' minimax_m3_vl_text reads only rope_parameters["partial_rotary_factor"] and ignores its
-    own rotary_dim field, so a config without the factor silently runs full RoPE (SPEC §7). Restore the
-    factor from rotary_dim and rebuild the rotary tables. Returns True when it had to fix something."""
-    config = getattr(model.config, "text_config", model.config)
-    rotary_dim = getattr(config, "rotary_dim", None)
-    rope = getattr(config, "rope_parameters", None)
-    if not rotary_dim or not isinstance(rope, dict) or "partial_rotary_factor" in rope:
-        return False
-    rope["partial_rotary_factor"] = rotary_dim / config.head_dim
-    base = model.get_decoder()
-    old = base.rotary_emb
-    base.rotary_emb = type(old)(config=config).to(old.inv_freq.device)
-    return True

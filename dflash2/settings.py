@@ -1,5 +1,6 @@
 """Names, defaults and input checks that need no torch: the CLI runs them before importing anything heavy."""
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -93,3 +94,89 @@ def drafter_block_size(name):
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoadError(f"cannot load drafter {name}: config.json is not readable JSON ({e})") from e
     return (config.get("dflash_config") or {}).get("block_size", config.get("block_size"))
+
+
+class SettingError(InputError):
+    """A bad value of one DecodeSettings field; the CLI names its flag, a program its field."""
+
+    def __init__(self, field, message):
+        self.field, self.message = field, message
+        super().__init__(f"{field} {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+    """One run's settings, in one place: generate, the bench, traces and check_trace all take this.
+
+    validate() names the field of the first bad value; resolved() fills the defaults that depend on
+    the drafter and the device; asdict() is what a trace's config record stores.
+    """
+
+    method: str = "dflash2"
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int = 0
+    stop_ids: tuple = ()
+    block_size: int | None = None  # anchor + drafts; None = the drafter's
+    tree_budget: int | None = None  # dflash2-tree nodes; None = DEFAULT_TREE_BUDGET of the device type
+    tree_scores: str = "selector"
+    max_batch: int | None = None  # requests in flight; None = all at once
+    static: bool = False  # bucketed shapes, for a compiled core
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+
+    def problems(self):
+        """(field, message) for every bad value, in field order."""
+        out = []
+        if self.method not in METHODS:
+            out.append(("method", f"must be one of {METHODS}, got {self.method!r}"))
+        # Negated comparisons so that NaN fails too.
+        if not self.temperature >= 0:
+            out.append(("temperature", f"must be >= 0 (0 means greedy), got {self.temperature}"))
+        if not self.top_k >= 0:
+            out.append(("top_k", f"must be >= 0 (0 means no top-k), got {self.top_k}"))
+        if not 0 < self.top_p <= 1:
+            out.append(("top_p", f"must be in (0, 1], got {self.top_p}"))
+        if not self.max_new_tokens >= 1:
+            out.append(("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}"))
+        if self.block_size is not None and not self.block_size >= 2:
+            out.append(("block_size", f"must be >= 2 (anchor + at least one draft), got {self.block_size}"))
+        if self.tree_budget is not None and not self.tree_budget >= 1:
+            out.append(("tree_budget", f"must be >= 1, got {self.tree_budget}"))
+        if self.tree_scores not in TREE_SCORES:
+            out.append(("tree_scores", f"must be one of {TREE_SCORES}, got {self.tree_scores!r}"))
+        if self.max_batch is not None and not self.max_batch >= 1:
+            out.append(("max_batch", f"must be >= 1, got {self.max_batch}"))
+        return out
+
+    def validate(self):
+        """self, or SettingError for the first bad field."""
+        bad = self.problems()
+        if bad:
+            raise SettingError(*bad[0])
+        return self
+
+    def resolved(self, device_type, drafter_block_size=None):
+        """The settings that run: block_size from the drafter (None for ar), tree_budget from the device type."""
+        self.validate()
+        block = None
+        if self.method != "ar":
+            block = self.block_size or drafter_block_size or 8
+            if drafter_block_size is not None and block > drafter_block_size:
+                raise SettingError("block_size", f"{block} is larger than the drafter's block size {drafter_block_size}")
+        budget = None
+        if self.method == "dflash2-tree":
+            budget = self.tree_budget or DEFAULT_TREE_BUDGET.get(device_type, DEFAULT_TREE_BUDGET["cuda"])
+        return dataclasses.replace(self, block_size=block, tree_budget=budget)
+
+    def asdict(self):
+        return dict(dataclasses.asdict(self), stop_ids=list(self.stop_ids))
+
+    @classmethod
+    def from_record(cls, record):
+        """The settings stored in a trace's config record (other keys ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in record.items() if k in names})

@@ -1,190 +1,21 @@
-"""DFlash 2 speculative decoding: the target behind a slot cache and the draft -> select -> verify loop.
+"""DFlash 2 speculative decoding: the draft -> select -> verify loop (the target is target.Target).
 
 Everything here stays on the device: randomness is drawn as uniform tensors (`torch.rand(...,
 generator=g)`) and handed to verify.py's math, so no step needs a host sync and a run can be replayed.
 """
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import kernels
 from .kernels import check_attn_backend
 from .model import DraftContext, dflash1_walk
-from .pair import cache_kwarg, fix_partial_rotary
-from .settings import (DEFAULT_TREE_BUDGET, METHODS, InputError, check_block_size, check_sampling_params,
-                       check_tree_settings)
+from .settings import DecodeSettings, InputError, SettingError
+from .target import SlotCache, install_output_hooks, text_config
 from .verify import (build_tree, marginal_log_weights, process_logits, sample_from, selector_log_weights,
                      tree_ancestors, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled)
-
-# --- target adapter: any transformers causal LM behind a per-row slot cache ---
-
-
-class SlotCacheLayer(CacheLayerMixin):
-    """Static K/V buffer where slot j always holds absolute position j of that row.
-
-    Rows advance by different amounts each step, so writes go to each row's own positions;
-    slots past a row's committed length hold stale drafts, but they always lie in the future
-    of every query (causal mask by position), and the next write overwrites them.
-    """
-
-    is_compileable = True
-
-    def __init__(self, cache):
-        super().__init__()
-        self.cache = cache
-        self.idx_keys = None
-
-    def lazy_initialization(self, key_states, value_states):
-        b, h, _, d = key_states.shape
-        shape = (b, h, self.cache.max_len, d)
-        self.keys = key_states.new_zeros(shape)
-        self.values = value_states.new_zeros(shape[:3] + (value_states.shape[-1],))
-        self.is_initialized = True
-
-    def _write(self, buf, new):
-        # buf[r, :, pos[r, t]] = new[r, :, t]: an index_put_, which inductor updates in place (a scatter_
-        # into a cache buffer compiles to a copy of the whole buffer, twice, on every forward)
-        buf[self.cache.write_rows, :, self.cache.write_positions] = new.transpose(1, 2).to(buf.dtype)
-        return buf[:, :, : self.cache.view_len]
-
-    def move(self, src, dst):
-        """Slots dst [b, n] take what slots src hold, per row (a tree's accepted path into place)."""
-        rows = torch.arange(src.shape[0], device=src.device)[:, None]
-        for name in ("keys", "values", "idx_keys"):
-            buf = getattr(self, name)
-            if buf is not None:
-                buf[rows, :, dst] = buf[rows, :, src]  # the right side is gathered first: overlaps are safe
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        return self._write(self.keys, key_states), self._write(self.values, value_states)
-
-    def update_index(self, idx_k):
-        """MiniMax-M3 sparse layers also cache their indexer keys."""
-        if self.idx_keys is None:
-            self.idx_keys = idx_k.new_zeros(idx_k.shape[:2] + (self.cache.max_len, idx_k.shape[-1]))
-        return self._write(self.idx_keys, idx_k)
-
-    update_indexer = update_index
-
-    def get_mask_sizes(self, query_length, *args):
-        return self.cache.view_len, 0
-
-    def get_seq_length(self):
-        return self.cache.view_len
-
-    def get_max_length(self):
-        return self.cache.max_len
-
-    def select_rows(self, rows):
-        for name in ("keys", "values", "idx_keys"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).index_select(0, rows))
-
-    def copy_rows(self, rows, other):
-        """Rows `rows` take over every slot of `other`'s rows (a request admitted into finished rows)."""
-        for name in ("keys", "values", "idx_keys"):
-            if getattr(self, name) is not None:
-                getattr(self, name)[rows] = getattr(other, name)
-
-
-class SlotCache(Cache):
-    """The target's KV cache for ragged batches: one SlotCacheLayer per decoder layer."""
-
-    def __init__(self, num_layers, max_len):
-        self.max_len = max_len
-        self.write_positions = None
-        self.write_rows = None  # [b, 1] row index for the writes, made once per forward, not per layer
-        self.view_len = 0
-        super().__init__(layers=[SlotCacheLayer(self) for _ in range(num_layers)])
-
-    def select_rows(self, rows):
-        for layer in self.layers:
-            layer.select_rows(rows)
-
-    def copy_rows(self, rows, other):
-        for layer, src in zip(self.layers, other.layers):
-            layer.copy_rows(rows, src)
-
-    def move(self, src, dst):
-        for layer in self.layers:
-            layer.move(src, dst)
-
-
-class Target:
-    """A causal LM seen as: forward(ids, positions, cache) -> logits and tapped hidden states.
-
-    Tapped features are hidden_states[l + 1] (the output of decoder layer l) for l in layer_ids,
-    concatenated on the feature axis: exactly the drafter's context input (SPEC §3).
-    """
-
-    def __init__(self, model, layer_ids=()):
-        self.model = model.eval()
-        fix_partial_rotary(model)
-        self.layer_ids = list(layer_ids)
-        cfg = getattr(model.config, "text_config", model.config)
-        self.num_layers = cfg.num_hidden_layers
-        self.hidden_size = cfg.hidden_size
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.cache_arg = cache_kwarg(model)
-        # load_target(prepack=True) swapped the linears for oneDNN ones; the draft head follows suit
-        self.prepacked = any(isinstance(m, kernels.PackedLinear) for m in model.modules())
-        bad = [l for l in self.layer_ids if not 0 <= l < self.num_layers]
-        if bad:
-            raise InputError(f"drafter target_layer_ids {bad} do not exist in a target with {self.num_layers} layers")
-
-    @property
-    def embed_tokens(self):
-        return self.model.get_input_embeddings()
-
-    @property
-    def lm_head_weight(self):
-        return self.model.get_output_embeddings().weight
-
-    def lm_head_as(self, dtype):
-        """The LM head for draft logits in the drafter's dtype, built once: a bf16 drafter reads half the
-        bytes per draft; on CPU it is a oneDNN-packed linear (a 3x faster read than aten's bf16 matmul)."""
-        head = getattr(self, "_draft_head", None)
-        if head is None or getattr(head, "weight", head).dtype != dtype:
-            weight = self.lm_head_weight if dtype == self.lm_head_weight.dtype else self.lm_head_weight.detach().to(dtype)
-            packed = self.prepacked and kernels.can_prepack(weight)
-            head = self._draft_head = kernels.PackedLinear(weight.detach()) if packed else weight
-        return head
-
-    @property
-    def device(self):
-        return self.lm_head_weight.device
-
-    def new_cache(self, max_len):
-        return SlotCache(self.num_layers, max_len)
-
-    @torch.no_grad()
-    def forward(self, ids, positions, cache, view_len, slots=None, visible=None):
-        """ids, positions [b, T]; writes K/V at those positions; keys visible iff slot <= query position.
-
-        A tree passes slots [b, T] (where its K/V go, default positions) and visible [b, T, view_len]
-        (default slot <= position). view_len bounds the slots attended (>= max slot + 1). Returns
-        logits [b, T, V] (float32) and features [b, T, n*H] (empty when no layers are tapped).
-        """
-        cache.write_positions = positions if slots is None else slots
-        cache.write_rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        cache.view_len = view_len
-        if visible is None:
-            visible = torch.arange(view_len, device=ids.device)[None, None, :] <= positions[:, :, None]
-        visible = visible[:, None]
-        dtype = self.lm_head_weight.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype, device=ids.device).masked_fill(~visible, torch.finfo(dtype).min)
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **{self.cache_arg: cache},
-                         use_cache=True, output_hidden_states=bool(self.layer_ids))
-        if self.layer_ids:
-            feats = torch.cat([out.hidden_states[l + 1] for l in self.layer_ids], dim=-1)
-        else:
-            feats = ids.new_zeros(ids.shape + (0,), dtype=dtype)
-        return out.logits.float(), feats
-
 
 # --- the draft -> select -> verify loop ---
 
@@ -241,20 +72,6 @@ def select_tree(selector, h, U, anchor, budget, scores, max_depth):
     return build_tree(logw, cand_ids, budget, max_depth)
 
 
-def _install_output_hooks(model):
-    """transformers installs its hidden-state hooks on the first forward that asks for them, under a
-    threading lock that dynamo cannot trace: a compiled target met first would break its graph there.
-    Install them now, eagerly (top-down, so a submodel is never hooked twice)."""
-    try:
-        from transformers.modeling_utils import PreTrainedModel
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, maybe_install_capturing_hooks
-    except ImportError:  # a transformers without output capturing: nothing to install
-        return
-    for m in model.modules():
-        if isinstance(m, PreTrainedModel) and _CAN_RECORD_REGISTRY.get(m):
-            maybe_install_capturing_hooks(m)
-
-
 def compile_core(target, drafter=None, compile_target=True):
     """torch.compile the hot functions: the target forward, the drafter forward and the walk.
 
@@ -265,7 +82,7 @@ def compile_core(target, drafter=None, compile_target=True):
     # One graph per view bucket and prompt-width bucket; dynamo's default limit of 8 is too few.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if compile_target:
-        _install_output_hooks(target.model)
+        install_output_hooks(target.model)
     if drafter is not None:
         check_attn_backend(drafter.attn_backend, target.device, compiled=True)
     for obj, name in core_functions(target, drafter, compile_target):
@@ -472,141 +289,170 @@ def commit_path(rows, feats, path, B):
         rows.ctx.write(feats.gather(1, entries[:, :, None].expand(-1, -1, feats.shape[-1])), block_pos)
 
 
-def check_generate_args(target, drafter, prompts, method, max_new_tokens, temperature, top_k, top_p,
-                        block_size, max_batch, propose, tree_budget, tree_scores):
-    """Every input check of generate, once per call. Returns the block size B (1 for ar), the width W
-    of a verify forward (B, or for a tree at least budget + 1), the longest prompt's length and the
-    target's context length."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    check_sampling_params(temperature, top_p, top_k)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+def check_generate_args(target, drafter, prompts, settings, propose):
+    """Every input check of generate, once per call. Returns the resolved settings, the width W of a verify
+    forward (the block, or for a tree at least budget + 1), the longest prompt's length and the target's
+    context length."""
+    cfg = text_config(target.model.config)
+    s = settings.resolved(target.device.type, drafter.config.block_size if drafter is not None else None)
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt must contain at least one token")
-    if max_batch is not None and max_batch < 1:
-        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    check_tree_settings(tree_budget, tree_scores)
-    if method == "dflash2-tree" and (drafter is None or propose is not None):
-        raise ValueError("method 'dflash2-tree' needs a drafter (and no propose)")
-    layer_types = getattr(getattr(target.model.config, "text_config", target.model.config), "layer_types", None) or ()
-    if method == "dflash2-tree" and any("sparse" in t for t in layer_types):
+        raise InputError("every prompt must contain at least one token")
+    if s.method != "ar" and drafter is None and propose is None:
+        raise SettingError("method", f"{s.method!r} needs a drafter")
+    if s.method == "dflash2-tree" and (drafter is None or propose is not None):
+        raise SettingError("method", "'dflash2-tree' needs a drafter (and no propose)")
+    if s.method == "dflash2-tree" and any("sparse" in t for t in getattr(cfg, "layer_types", None) or ()):
         # MiniMax-M3's MSA indexer pools keys into blocks by slot and masks them by slot <= position, so
         # a tree's nodes, which sit in scratch slots, would not pick the blocks their path alone would.
         raise InputError("method 'dflash2-tree' needs a target with dense attention: block-sparse (MSA) layers "
                          "choose key blocks by cache slot, which tree verification moves (docs/SPEC_NOTES.md)")
-    B = 1
-    if method != "ar":
-        if drafter is None and propose is None:
-            raise ValueError(f"method {method!r} needs a drafter")
-        B = block_size or (drafter.config.block_size if drafter is not None else 8)
-        check_block_size(B, drafter.config.block_size if drafter is not None else None)
-    W = max(B, tree_budget + 1) if method == "dflash2-tree" else B
+    B = s.block_size or 1
+    W = max(B, s.tree_budget + 1) if s.method == "dflash2-tree" else B
     longest = max(len(p) for p in prompts)
-    limit = getattr(getattr(target.model.config, "text_config", target.model.config), "max_position_embeddings", None)
-    if limit is not None and longest + max_new_tokens + W + 1 > limit:
-        raise ValueError(f"prompt too long: {longest} prompt tokens + {max_new_tokens} new tokens + block {W} "
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if limit is not None and longest + s.max_new_tokens + W + 1 > limit:
+        raise InputError(f"prompt too long: {longest} prompt tokens + {s.max_new_tokens} new tokens + block {W} "
                          f"exceed the target's context of {limit} positions")
-    return B, W, longest, limit
+    return s, W, longest, limit
+
+
+class Requests:
+    """The host's side of the rows in flight: which request each row serves, its anchor's position (kept
+    on the host, so no device read sizes a step), whether it still decodes, the requests waiting for a
+    row, and every request's Result."""
+
+    def __init__(self, prompts, settings, on_emit):
+        self.prompts, self.settings, self.on_emit = prompts, settings, on_emit
+        self.results = [Result() for _ in prompts]
+        self.waiting = list(range(len(prompts)))
+        self.request, self.alive = [], []  # per row
+        self.pos = torch.zeros(0, dtype=torch.long)
+
+    def take(self, n):
+        """The next n waiting requests (fewer if fewer wait)."""
+        reqs, self.waiting = self.waiting[:n], self.waiting[n:]
+        return reqs
+
+    def free_rows(self):
+        """Finished rows that a waiting request can take."""
+        return [r for r, a in enumerate(self.alive) if not a][: len(self.waiting)]
+
+    def admit(self, rows, reqs, first_tokens):
+        """Requests reqs now decode in rows (a row index past the end appends one), their prefill token emitted."""
+        for row, req, token in zip(rows, reqs, first_tokens):
+            if row == len(self.request):
+                self.request.append(req)
+                self.alive.append(False)
+                self.pos = torch.cat([self.pos, self.pos.new_zeros(1)])
+            self.request[row], self.pos[row] = req, len(self.prompts[req])
+            self.results[req].verify_steps = 1  # the prefill is a request's first verification step
+            self.alive[row] = self.emit(req, [token])
+
+    def compact(self):
+        """Drop finished rows; returns the rows kept, or None when every row is alive."""
+        if all(self.alive):
+            return None
+        keep = [r for r, a in enumerate(self.alive) if a]
+        self.request, self.pos, self.alive = [self.request[r] for r in keep], self.pos[keep], [True] * len(keep)
+        return keep
+
+    def commit(self, host):
+        """A step's host copy [b, 1 + B] (num_accepted, then out) into the live rows' Results. Returns
+        whether a row finished (its anchor and position then freeze)."""
+        finished = False
+        for r, req in enumerate(self.request):
+            if self.alive[r]:
+                a = int(host[r, 0])
+                res = self.results[req]
+                res.verify_steps += 1
+                res.accepted.append(a)
+                self.pos[r] += a + 1
+                self.alive[r] = self.emit(req, host[r, 1 : a + 2].tolist())
+                finished |= not self.alive[r]
+        return finished
+
+    def steps(self):
+        """Each row's verification step number (a trace's step field)."""
+        return [self.results[r].verify_steps for r in self.request]
+
+    def emit(self, req, tokens):
+        """Append tokens up to a stop token (kept) or max_new_tokens; returns whether the request goes on."""
+        res, s, out = self.results[req], self.settings, []
+        for t in tokens:
+            if len(res.tokens) + len(out) >= s.max_new_tokens:
+                break
+            out.append(t)
+            if t in s.stop_ids:
+                res.finished_by_stop = True
+                break
+        res.tokens.extend(out)
+        if self.on_emit is not None and out:
+            self.on_emit(req, out)
+        return not res.finished_by_stop and len(res.tokens) < s.max_new_tokens
 
 
 @torch.inference_mode()
-def generate(target, drafter, prompts, method="dflash2", max_new_tokens=256, temperature=0.0, top_k=0,
-             top_p=1.0, seed=0, stop_ids=(), block_size=None, on_emit=None, propose=None, trace=None,
-             static=False, max_batch=None, tree_budget=None, tree_scores="selector"):
-    """Speculative decoding of a batch of prompts (lists of token ids); one decode_step per iteration.
+def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=None, trace=None, **fields):
+    """Speculative decoding of a batch of prompts (lists of token ids) under one DecodeSettings (keyword
+    fields build or amend it: generate(..., max_new_tokens=64)); one decode step per iteration.
 
     `method="ar"` runs the same loop with no drafts. `max_batch` caps the requests in flight: the
     rest wait in order and each is prefilled into a row as soon as a request finishes (continuous
-    batching); None runs every prompt at once. `propose(anchor, pos, requests) -> (drafts, q)` replaces
-    the drafter (tests force acceptance patterns with it). `on_emit(request, tokens)` streams output.
-    `trace(record)` receives every step's tensors (tracing adds host copies). `static=True` limits
-    shapes to a few buckets (cache views rounded up to VIEW_BUCKET slots) for compiled cores.
-    `method="dflash2-tree"` verifies a tree of `tree_budget` nodes (default: DEFAULT_TREE_BUDGET of
-    the device type) scored by `tree_scores` ("selector" or "marginal") with decode_tree_step.
-    Returns one Result per prompt.
+    batching). `propose(anchor, pos, requests) -> (drafts, q)` replaces the drafter (tests force
+    acceptance patterns with it). `on_emit(request, tokens)` streams output. `trace(record)` receives
+    every step's tensors (tracing adds host copies). `static=True` limits shapes to a few buckets (cache
+    views rounded up to VIEW_BUCKET slots) for compiled cores. `method="dflash2-tree"` verifies a tree
+    of `tree_budget` nodes with decode_tree_step. Returns one Result per prompt.
     """
-    if method == "dflash2-tree" and tree_budget is None:
-        tree_budget = DEFAULT_TREE_BUDGET.get(target.device.type, DEFAULT_TREE_BUDGET["cuda"])
-    B, W, longest, limit = check_generate_args(target, drafter, prompts, method, max_new_tokens, temperature, top_k,
-                                               top_p, block_size, max_batch, propose, tree_budget, tree_scores)
-    max_len = longest + max_new_tokens + W + 1
-    if static:  # round up so later requests reuse the same compiled shapes
+    settings = DecodeSettings(**fields) if settings is None else dataclasses.replace(settings, **fields)
+    s, W, longest, limit = check_generate_args(target, drafter, prompts, settings, propose)
+    device, B = target.device, s.block_size or 1
+    max_len = longest + s.max_new_tokens + W + 1
+    if s.static:  # round up so later requests reuse the same compiled shapes
         max_len = min(-(-max_len // 256) * 256, limit or max_len)
-    sampling = Sampling(temperature, top_k, top_p, torch.Generator(device=target.device).manual_seed(seed))
-    ctx_drafter = drafter if method != "ar" else None  # whose context a prefill fills (none for ar)
-    results = [Result() for _ in prompts]
-    host_pos, rows, alive, waiting = torch.zeros(0, dtype=torch.long), None, [], list(range(len(prompts)))
-    request = []  # row -> request index
+    sampling = Sampling(s.temperature, s.top_k, s.top_p, torch.Generator(device=device).manual_seed(s.seed))
+    ctx_drafter = drafter if s.method != "ar" else None  # whose context a prefill fills (none for ar)
+    book = Requests(prompts, s, on_emit)
+    traced = trace is not None
+    if s.method == "dflash2-tree":
+        step = functools.partial(decode_tree_step, target, drafter, sampling=sampling, B=B, budget=s.tree_budget,
+                                 scores=s.tree_scores, traced=traced)
+    else:
+        proposer = None if propose is None else lambda anchor, pos: propose(anchor, pos, torch.tensor(book.request))
+        step = functools.partial(decode_step, target, drafter, method=s.method, sampling=sampling, B=B,
+                                 propose=proposer, traced=traced)
 
-    def admit(free):
+    def admit(rows, free):
         """Prefill the next waiting requests into rows `free` (rows past the end are appended)."""
-        nonlocal rows, waiting, host_pos
-        reqs, waiting = waiting[: len(free)], waiting[len(free):]
-        new = _prefill(target, ctx_drafter, [prompts[r] for r in reqs], max_len, max_new_tokens, W, static, sampling)
-        first = new.anchor.cpu()  # host sync of the prefill
-        lens = torch.tensor([len(prompts[r]) for r in reqs])  # the new rows' positions, known on the host
+        reqs = book.take(len(free))
+        new = _prefill(target, ctx_drafter, [prompts[r] for r in reqs], max_len, s.max_new_tokens, W, s.static, sampling)
         if rows is None:
-            rows, host_pos = new, lens
+            rows = new
         else:
-            rows.admit(torch.tensor(free, device=target.device), new)
-            host_pos[free] = lens
-        for i, (r, req) in enumerate(zip(free, reqs)):
-            request[r:r + 1] = [req]
-            results[req].verify_steps = 1  # the prefill is a request's first verification step
-            alive[r:r + 1] = [_emit(results[req], [int(first[i])], max_new_tokens, stop_ids, on_emit, req)]
-        rows.live = torch.tensor(alive, device=target.device)
+            rows.admit(torch.tensor(free, device=device), new)
+        book.admit(free, reqs, new.anchor.tolist())  # host sync of the prefill
+        rows.live = torch.tensor(book.alive, device=device)
+        return rows
 
-    admit(list(range(len(prompts) if max_batch is None else min(max_batch, len(prompts)))))
+    rows = admit(None, list(range(min(len(prompts), s.max_batch or len(prompts)))))
     while True:
-        free = [r for r, a in enumerate(alive) if not a][: len(waiting)]
+        free = book.free_rows()
         if free:  # an admitted request may already be done (stop token, or max_new_tokens = 1): loop again
-            admit(free)
+            rows = admit(rows, free)
             continue
-        if not any(alive):
+        if not any(book.alive):
             break
-        if not all(alive) and not static:  # static shapes keep finished rows, frozen in place
-            keep = [r for r, a in enumerate(alive) if a]
-            rows.select(torch.tensor(keep, device=target.device))
-            request, host_pos, alive = [request[r] for r in keep], host_pos[keep], [True] * len(keep)
-        view_len = int(host_pos.max()) + W
+        if not s.static:  # static shapes keep finished rows, frozen in place
+            keep = book.compact()
+            if keep is not None:
+                rows.select(torch.tensor(keep, device=device))
+        view_len = int(book.pos.max()) + W
         ctx_len = view_len - W
-        if static:  # a handful of shapes, each compiled once; the extra slots are masked out
+        if s.static:  # a handful of shapes, each compiled once; the extra slots are masked out
             view_len = ctx_len = min(-(-view_len // VIEW_BUCKET) * VIEW_BUCKET, max_len)
-        if method == "dflash2-tree":
-            num_accepted, out, record = decode_tree_step(target, drafter, rows, sampling, B, tree_budget, tree_scores,
-                                                         view_len, ctx_len, traced=trace is not None)
-        else:
-            proposer = None if propose is None else lambda anchor, pos: propose(anchor, pos, torch.tensor(request))
-            num_accepted, out, record = decode_step(target, drafter, rows, method, sampling, B, view_len, ctx_len,
-                                                    proposer, traced=trace is not None)
-        if trace is not None:
-            trace(dict(record, requests=list(request), steps=[results[r].verify_steps for r in request]))
-        host = torch.cat([num_accepted[:, None], out], 1).cpu()  # the one host sync per step
-        was_alive = list(alive)
-        for r, req in enumerate(request):
-            if alive[r]:
-                a = int(host[r, 0])
-                results[req].verify_steps += 1
-                results[req].accepted.append(a)
-                host_pos[r] += a + 1
-                alive[r] = _emit(results[req], host[r, 1 : a + 2].tolist(), max_new_tokens, stop_ids, on_emit, req)
-        if alive != was_alive:  # a row finished: its anchor and position freeze from now on
-            rows.live = torch.tensor(alive, device=target.device)
-    return results
-
-
-def _emit(res, tokens, max_new_tokens, stop_ids, on_emit, req):
-    """Append tokens up to a stop token (kept) or max_new_tokens; returns whether the request goes on."""
-    out = []
-    for t in tokens:
-        if len(res.tokens) + len(out) >= max_new_tokens:
-            break
-        out.append(t)
-        if t in stop_ids:
-            res.finished_by_stop = True
-            break
-    res.tokens.extend(out)
-    if on_emit is not None and out:
-        on_emit(req, out)
-    return not res.finished_by_stop and len(res.tokens) < max_new_tokens
+        num_accepted, out, record = step(rows=rows, view_len=view_len, ctx_len=ctx_len)
+        if traced:
+            trace(dict(record, requests=list(book.request), steps=book.steps()))
+        if book.commit(torch.cat([num_accepted[:, None], out], 1).cpu()):  # the one host sync per step
+            rows.live = torch.tensor(book.alive, device=device)
+    return book.results

@@ -11,7 +11,7 @@ import torch
 from . import spec_decode as sd
 from .machine import machine
 from .pair import DTYPES, load_pair
-from .settings import InputError, one_line
+from .settings import DecodeSettings, InputError, one_line
 
 # /2: a block shrinks to what is left of the budget (per-slot lists are that long), and results carry
 # acceptance_length on the authors' definition. /1 traces drafted full blocks to the end.
@@ -19,8 +19,13 @@ TRACE_FORMAT = "dflash2-trace/2"
 
 
 def run(pair, prompts, settings, on_emit=None, trace_path=None):
-    """Decode prompts (lists of ids) in one batch. Returns (results, seconds, seconds to first token)."""
+    """Decode prompts (lists of ids) in one batch under settings (a DecodeSettings, resolved here so that a
+    trace records what ran). Returns (results, seconds, seconds to first token)."""
     first = []
+    try:
+        settings = settings.resolved(pair.device.type, pair.drafter.config.block_size if pair.drafter else None)
+    except ValueError as e:
+        raise InputError(one_line(e)) from e
 
     def emit(request, tokens):
         if not first:
@@ -39,7 +44,7 @@ def run(pair, prompts, settings, on_emit=None, trace_path=None):
                     write_line(trace_file, r)
         start = time.perf_counter()
         try:
-            results = sd.generate(pair.target, pair.drafter, prompts, on_emit=emit, trace=trace, **settings)
+            results = sd.generate(pair.target, pair.drafter, prompts, settings, on_emit=emit, trace=trace)
         except ValueError as e:  # generate checks its inputs first: prompt too long, bad block size
             raise InputError(one_line(e)) from e
         seconds = time.perf_counter() - start
@@ -77,7 +82,7 @@ def config_record(pair, prompts, settings):
                 dtype=str(pair.dtype).removeprefix("torch."), device=str(pair.device),
                 draft_dtype=None if pair.drafter is None else str(next(pair.drafter.parameters()).dtype).removeprefix("torch."),
                 draft_dtype_reason=pair.draft_dtype_reason, machine=machine().asdict(),
-                prepacked=pair.target.prepacked, **settings,
+                prepacked=pair.target.prepacked, **settings.asdict(),
                 prompts=[list(p) for p in prompts])
 
 
@@ -253,14 +258,13 @@ def check_trace(path, target=None, draft=None, device="cpu", atol=1e-4, log=sys.
                                       ("draft", pair.draft_dir, cfg["draft"])):
         if directory is not None and recorded and sha256_files(directory) != recorded["sha256"]:
             print(f"note: the {role} files differ from the trace's (sha256)", file=log)
-    settings = {k: cfg[k] for k in ("method", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                                     "stop_ids", "block_size", "tree_budget", "tree_scores") if k in cfg}
+    settings = DecodeSettings.from_record(cfg)
     replay = []
 
     def trace(rec):
         replay.extend(step_records(rec))
 
-    results = sd.generate(pair.target, pair.drafter, cfg["prompts"], trace=trace, **settings)
+    results = sd.generate(pair.target, pair.drafter, cfg["prompts"], settings, trace=trace)
     replay += [result_record(i, res) for i, res in enumerate(results)]
     divergence = compare_traces(replay, records[1:], atol)
     if divergence is not None:

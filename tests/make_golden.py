@@ -25,6 +25,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import dflash2_ref  # noqa: E402
 from dflash2.pair import encode_prompt, load_pair, stop_token_ids  # noqa: E402
+from dflash2.settings import DecodeSettings  # noqa: E402
 from dflash2.trace import run  # noqa: E402
 from targets import reference_greedy, tiny_drafter, tiny_target  # noqa: E402
 
@@ -117,7 +118,7 @@ def write_traces(directory):
         if settings["method"] == "ar":  # no drafter: the trace records draft null and block size null
             settings["block_size"] = None
             run_pair = dataclasses.replace(pair, drafter=None, draft_id=None, draft_dir=None)
-        run(run_pair, prompts, settings, trace_path=directory / f"{name}.jsonl")
+        run(run_pair, prompts, DecodeSettings(**settings), trace_path=directory / f"{name}.jsonl")
 
 
 # --- the guard: regenerated goldens must keep every acceptance count, or say why not ---

@@ -327,10 +327,11 @@ def test_profile_times_every_phase_without_timers_in_the_loop():
     import argparse
 
     from dflash2 import spec_decode as sd
+    from dflash2.target import Target
 
     model = tiny_target("llama")
     drafter = tiny_drafter(model)
-    target = sd.Target(model, drafter.config.target_layer_ids)
+    target = Target(model, drafter.config.target_layer_ids)
     args = argparse.Namespace(max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=0, block_size=None,
                               compile=False)
     plain, _ = bench.run_method(target, drafter, [[1, 2]], "dflash2", 1, args, [], "plain")

@@ -5,6 +5,7 @@ from torch._dynamo.utils import counters
 
 from dflash2 import kernels
 from dflash2 import spec_decode as sd
+from dflash2.target import Target
 from targets import reference_greedy, tiny_drafter, tiny_target
 
 
@@ -18,7 +19,7 @@ def test_compiled_equals_eager_and_never_recompiles(backend, method):
     counters.clear()  # dynamo's counters are process-wide; earlier compiled tests must not leak in
     model = tiny_target("llama")
     drafter = tiny_drafter(model, head_dim=16)  # CPU flex kernels need head_dim >= 16
-    target = sd.Target(model, drafter.config.target_layer_ids)
+    target = Target(model, drafter.config.target_layer_ids)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     kw = dict(method=method, tree_budget=8) if method == "dflash2-tree" else {}
     eager = [sd.generate(target, drafter, [p], max_new_tokens=512, **kw)[0].tokens for p in prompts]
@@ -41,7 +42,7 @@ def test_static_shapes_equal_dynamic_shapes_in_batches():
     """Static mode keeps finished rows frozen in place instead of dropping them; same outputs."""
     model = tiny_target("minimax_m3")
     drafter = tiny_drafter(model)
-    target = sd.Target(model, drafter.config.target_layer_ids)
+    target = Target(model, drafter.config.target_layer_ids)
     prompts = [[1, 2, 3], list(range(5, 20)), [7]]
     refs = [reference_greedy(model, p, 24) for p in prompts]
     stop = refs[0][5]  # one row stops early, so rows finish at different steps
@@ -86,7 +87,7 @@ def test_compiled_core_with_prepacked_linears():
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 3]]
     refs = [reference_greedy(model, p, 40) for p in prompts]  # before compiling: it would recompile per length
     assert kernels.prepack_linears(model) > 0 and kernels.prepack_linears(drafter) > 0
-    target = sd.Target(model, drafter.config.target_layer_ids)
+    target = Target(model, drafter.config.target_layer_ids)
     sd.compile_core(target, drafter)
     out = sd.generate(target, drafter, prompts[:2], max_new_tokens=40, static=True)
     assert [r.tokens for r in out] == refs[:2]

@@ -17,9 +17,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dflash2 import model as ours_model, spec_decode as sd
+from dflash2.target import Target
 from dflash2.checkpoint import DFlash2Config
 from dflash2.model import DFlash2Drafter
 from dflash2.pair import stop_token_ids
+from dflash2.settings import DecodeSettings
 from dflash2.trace import check_trace
 from targets import tiny_target
 
@@ -183,7 +185,7 @@ def test_agrees_with_the_authors_implementation(config_dict, seed, ctx_len, prom
         return
     stops = [] if stop is None else [stop]
     emitted = []
-    (res,) = sd.generate(sd.Target(target, taps), ours, [prompt], max_new_tokens=max_new_tokens, stop_ids=stops,
+    (res,) = sd.generate(Target(target, taps), ours, [prompt], max_new_tokens=max_new_tokens, stop_ids=stops,
                          on_emit=lambda request, tokens: emitted.append(len(tokens)))
     with deterministic_walks():
         stats = reference.dflash_generate(theirs, target, torch.tensor([prompt]), max_new_tokens, stops or None,
@@ -265,8 +267,7 @@ def trace_of(tmp_path, name, draft, max_new_tokens=24):
 
     pair = load_pair(str(GOLDEN / "target"), str(draft), torch.device("cpu"), torch.float32)
     stops = stop_token_ids(pair.target.model, pair.tokenizer)
-    settings = dict(method="dflash2", max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-                    stop_ids=stops, block_size=pair.drafter.config.block_size)
+    settings = DecodeSettings(max_new_tokens=max_new_tokens, stop_ids=stops, block_size=pair.drafter.config.block_size)
     path = tmp_path / f"{name}.jsonl"
     run(pair, golden_prompts(), settings, trace_path=path)
     return path, [json.loads(line) for line in path.read_text().splitlines()]

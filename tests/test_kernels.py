@@ -125,7 +125,7 @@ def test_prepacked_target_decodes_the_unpacked_targets_greedy_output(arch):
     import copy
 
     from dflash2 import spec_decode as sd
-    from dflash2.pair import fix_partial_rotary
+    from dflash2.target import Target, fix_partial_rotary
     from targets import reference_greedy, tiny_drafter, tiny_target
 
     model = tiny_target(arch)
@@ -133,7 +133,7 @@ def test_prepacked_target_decodes_the_unpacked_targets_greedy_output(arch):
     drafter = tiny_drafter(model)
     packed = copy.deepcopy(model)
     assert kernels.prepack_linears(packed) > 0
-    target = sd.Target(packed, drafter.config.target_layer_ids)
+    target = Target(packed, drafter.config.target_layer_ids)
     assert target.prepacked and isinstance(target.lm_head_as(torch.float32), kernels.PackedLinear)
     prompts = [[1, 2, 3], [5, 8, 13, 21, 34, 55]]
     for method in ("dflash2", "ar"):

@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from dflash2 import spec_decode as sd, verify
+from dflash2.target import Target
 from targets import ARCHS, reference_greedy, tiny_drafter, tiny_target
 
 _cache = {}
@@ -18,7 +19,7 @@ def pair(arch, block_size=8):
     if key not in _cache:
         model = tiny_target(arch)
         drafter = tiny_drafter(model, block_size)
-        _cache[key] = (model, sd.Target(model, drafter.config.target_layer_ids), drafter)
+        _cache[key] = (model, Target(model, drafter.config.target_layer_ids), drafter)
     return _cache[key]
 
 
@@ -246,6 +247,20 @@ def test_max_new_tokens_is_never_exceeded(n, block_size):
     assert res.tokens == ref[:n]
 
 
+@pytest.mark.parametrize("method", ["dflash2", "dflash"])
+def test_blocks_shrink_to_what_is_left_of_the_budget(method):
+    """Near the end of max_new_tokens a row's block is min(B, end - anchor_pos): its anchor plus at most the
+    tokens it may still make, never longer (a block one too long is lossless but drafts past the budget)."""
+    model, target, drafter = pair("llama")
+    prompts = [[1, 2, 3], list(range(5, 16))]
+    steps = []
+    sd.generate(target, drafter, prompts, method=method, max_new_tokens=5, block_size=8, trace=steps.append)
+    assert steps
+    for rec in steps:
+        end = torch.tensor([len(prompts[r]) + 5 for r in rec["requests"]])
+        assert rec["sizes"].tolist() == torch.clamp(end - rec["anchor_pos"], max=8).tolist()
+
+
 def test_same_seed_same_sample():
     model, target, drafter = pair("llama")
     prompts = [[1, 2, 3], [4, 5]]
@@ -261,7 +276,7 @@ def test_partial_rotary_is_honoured_for_minimax_m3():
     model = tiny_target("minimax_m3")
     assert "partial_rotary_factor" not in model.config.rope_parameters
     before = model.model.rotary_emb.inv_freq.numel()
-    sd.Target(model, [0])
+    Target(model, [0])
     after = model.model.rotary_emb.inv_freq.numel()
     assert before == model.config.head_dim // 2 and after == model.config.rotary_dim // 2
 
@@ -289,7 +304,8 @@ def test_minimax_m3_hub_checkpoint_loads_with_partial_rope(tmp_path):
 
     from safetensors.torch import save_file
 
-    from dflash2.pair import fix_partial_rotary, load_target
+    from dflash2.pair import load_target
+    from dflash2.target import fix_partial_rotary
     from tiny_tokenizer import tiny_tokenizer
 
     ref = tiny_target("minimax_m3")
@@ -350,7 +366,7 @@ def _sampling_pair():
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(0.25)  # flatter P: several tokens in the nucleus
     drafter = tiny_drafter(model, block_size=4, top_k=4)
-    return model, sd.Target(model, drafter.config.target_layer_ids), drafter
+    return model, Target(model, drafter.config.target_layer_ids), drafter
 
 
 @pytest.mark.parametrize("method,max_batch", [("dflash2", None), ("dflash", None), ("dflash2", 6000)])
@@ -383,7 +399,7 @@ def _sharp_pair():
         model.get_output_embeddings().weight.mul_(0.5)
     drafter = tiny_drafter(model, block_size=4, top_k=3)
     drafter.config.output_multiplier = 3.0
-    return model, sd.Target(model, drafter.config.target_layer_ids), drafter
+    return model, Target(model, drafter.config.target_layer_ids), drafter
 
 
 def _fitted_pair():
@@ -396,7 +412,7 @@ def _fitted_pair():
         model.get_output_embeddings().weight.mul_(0.5)
     model.requires_grad_(False)
     drafter = make_golden.fit(model, tiny_drafter(model, block_size=4, top_k=3), steps=150)
-    return model, sd.Target(model, drafter.config.target_layer_ids), drafter
+    return model, Target(model, drafter.config.target_layer_ids), drafter
 
 
 @pytest.mark.parametrize("make_pair, min_accepted", [(_sharp_pair, 0.0), (_fitted_pair, 0.2)])

@@ -9,21 +9,22 @@ import torch
 import torch.nn.functional as F
 
 from dflash2 import spec_decode as sd
-from dflash2 import train
+from dflash2.target import Target
+from dflash2 import distill, fit, train
 from dflash2.model import DFlash2Drafter
 from targets import tiny_target
 
 
 def test_position_weights_follow_the_decay():
-    w = train.position_weights(8, 4.0)
+    w = fit.position_weights(8, 4.0)
     assert torch.allclose(w, torch.tensor([math.exp(-(k - 1) / 4) for k in range(1, 8)]))
-    assert train.default_gamma(8) == 4 and train.default_gamma(16) == 7
+    assert fit.default_gamma(8) == 4 and fit.default_gamma(16) == 7
 
 
 def _tiny_setup(tmp_path, n_seqs=6):
     model = tiny_target("llama", vocab=64, hidden=32, layers=3)
     prompts = [[1 + i, 5, 9, 2 + i] for i in range(n_seqs)]
-    rows = train.generate_with_features(model, prompts, [0, 2], 24, stop_ids=set(), pad_id=0)
+    rows = distill.generate_with_features(model, prompts, [0, 2], 24, stop_ids=set(), pad_id=0)
     data = tmp_path / "data"
     data.mkdir()
     torch.save({"ids": [r[0] for r in rows], "features": [r[1] for r in rows],
@@ -56,10 +57,10 @@ def test_sampled_responses_follow_the_nucleus_and_keep_their_features():
     prompts = [[1, 5, 9, 2], [3, 4], [7, 7, 7, 8, 1]]
 
     def sample(seed, top_p):
-        return train.generate_with_features(model, prompts, [0, 2], 16, stop_ids=set(), pad_id=0, temperature=1.0,
+        return distill.generate_with_features(model, prompts, [0, 2], 16, stop_ids=set(), pad_id=0, temperature=1.0,
                                             top_p=top_p, generator=torch.Generator().manual_seed(seed))
 
-    greedy = train.generate_with_features(model, prompts, [0, 2], 16, stop_ids=set(), pad_id=0)
+    greedy = distill.generate_with_features(model, prompts, [0, 2], 16, stop_ids=set(), pad_id=0)
     rows = sample(0, 0.9)
     assert [r[0].tolist() for r in rows] == [r[0].tolist() for r in sample(0, 0.9)]
     assert [r[0].tolist() for r in rows] != [r[0].tolist() for r in greedy]  # it does sample
@@ -90,16 +91,16 @@ def test_loss_matches_direct_computation(tmp_path):
     model, rows, args = _tiny_setup(tmp_path)
     seqs = [(i, f, 4) for i, f in rows]
     args.taps = [0, 2]
-    drafter = DFlash2Drafter(train.drafter_config_for(model.config, args)).float()
+    drafter = DFlash2Drafter(fit.drafter_config_for(model.config, args)).float()
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     g = torch.Generator().manual_seed(0)
-    batch = train.make_batch(seqs[:3], 4, 30, 63, g)  # every anchor, so blocks run past the end too
+    batch = fit.make_batch(seqs[:3], 4, 30, 63, g)  # every anchor, so blocks run past the end too
     assert (batch[4] == -100).any()
-    weights = train.position_weights(4, 4.0)
+    weights = fit.position_weights(4, 4.0)
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings().weight
-    _, ce, sel_ce, _, _ = train.drafter_loss(drafter, embed, lm_head, batch, weights)
+    _, ce, sel_ce, _, _ = fit.drafter_loss(drafter, embed, lm_head, batch, weights)
 
     feats, seq_idx, anchor_pos, blocks, gold = batch
     num = den = 0.0
@@ -130,12 +131,12 @@ def test_loss_matches_direct_computation(tmp_path):
 
 def test_short_training_run_learns_and_writes_a_loadable_drafter(tmp_path):
     model, _, args = _tiny_setup(tmp_path)
-    drafter, history = train.train(args, target=model)
+    drafter, history = fit.train(args, target=model)
     first = sum(h["ce"] for h in history[:5]) / 5
     last = sum(h["ce"] for h in history[-5:]) / 5
     assert last < 0.7 * first
     loaded = DFlash2Drafter.from_pretrained(tmp_path / "drafter", dtype=torch.float32)
-    target = sd.Target(model, loaded.config.target_layer_ids)
+    target = Target(model, loaded.config.target_layer_ids)
     res = sd.generate(target, loaded, [[3, 5, 9, 4]], max_new_tokens=10)[0]
     ar = sd.generate(target, None, [[3, 5, 9, 4]], method="ar", max_new_tokens=10)[0]
     assert res.tokens == ar.tokens
@@ -145,7 +146,7 @@ def test_short_training_run_learns_and_writes_a_loadable_drafter(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(snap.state_dict().values(), loaded.state_dict().values()))
     # resume continues from the saved step
     args.steps, args.resume = 35, True
-    _, history2 = train.train(args, target=model)
+    _, history2 = fit.train(args, target=model)
     assert history2[29]["step"] == 30 and history2[-1]["step"] == 35
 
 
@@ -155,7 +156,7 @@ def test_init_fine_tunes_a_published_checkpoint(tmp_path):
 
     model, _, args = _tiny_setup(tmp_path)
     args.steps = 10
-    first, _ = train.train(args, target=model)
+    first, _ = fit.train(args, target=model)
     saved = tmp_path / "first"
     first.save_pretrained(saved, dtype=torch.float32)
     fine = tmp_path / "fine"
@@ -163,11 +164,11 @@ def test_init_fine_tunes_a_published_checkpoint(tmp_path):
     (fine / "data").symlink_to(tmp_path / "data")
     args2 = argparse.Namespace(**{**vars(args), "out": str(fine), "steps": 1, "lr": 1e-12, "warmup": 1,
                                   "init": str(saved), "layers": 3, "rank": 2})
-    tuned, history = train.train(args2, target=model)
+    tuned, history = fit.train(args2, target=model)
     assert len(history) == 1 and tuned.config.num_hidden_layers == 1 and tuned.config.selector_rank == 8
     for (name, p), q in zip(first.state_dict().items(), tuned.state_dict().values()):
         assert torch.allclose(p, q, atol=1e-6), name  # a 1e-12 step leaves the loaded weights
-    fresh = train.train(argparse.Namespace(**{**vars(args2), "init": None, "rank": 8, "layers": 1}), target=model)[0]
+    fresh = fit.train(argparse.Namespace(**{**vars(args2), "init": None, "rank": 8, "layers": 1}), target=model)[0]
     assert not torch.allclose(fresh.candidate_selector.hidden_projection.weight,
                               first.candidate_selector.hidden_projection.weight)
     bad = tmp_path / "bad"
@@ -177,7 +178,7 @@ def test_init_fine_tunes_a_published_checkpoint(tmp_path):
         (bad / "data" / f.name).write_bytes(f.read_bytes())
     (bad / "data" / "meta.json").write_text(json.dumps({"target": "tiny", "taps": [0, 1]}))
     with pytest.raises(SystemExit, match="taps target layers"):
-        train.train(argparse.Namespace(**{**vars(args2), "out": str(bad)}), target=model)
+        fit.train(argparse.Namespace(**{**vars(args2), "out": str(bad)}), target=model)
 
 
 def test_plot_draws_every_stage(tmp_path):
@@ -203,16 +204,16 @@ def test_extra_data_is_mixed_in_at_the_requested_share(tmp_path, monkeypatch):
     shard["prompt_lens"] = [3] * len(shard["ids"])  # marks the extra set's sequences (the main set's are 4)
     torch.save(shard, other / "data" / "shard_00000.pt")
     seen = []
-    real = train.make_batch
-    monkeypatch.setattr(train, "make_batch", lambda seqs, *a: seen.append(seqs) or real(seqs, *a))
+    real = fit.make_batch
+    monkeypatch.setattr(fit, "make_batch", lambda seqs, *a: seen.append(seqs) or real(seqs, *a))
     args.steps, args.extra_data, args.extra_share = 6, [str(other / "data")], 0.5
-    train.train(args, target=model)
+    fit.train(args, target=model)
     assert len(seen) == 6
     for seqs in seen:
         assert sorted(p for _, _, p in seqs) == [3, 3, 4, 4]  # round(0.5 * 4) from the extra set
     (other / "data" / "meta.json").write_text(json.dumps({"target": "tiny", "taps": [0, 1]}))
     with pytest.raises(SystemExit, match="extra-data"):
-        train.train(args, target=model)
+        fit.train(args, target=model)
 
 
 def _tiny_target_dir(root):
@@ -266,7 +267,7 @@ def test_run_on_a_tiny_target_keeps_its_budget_and_writes_a_lossless_drafter(tmp
     shard = torch.load(sorted((tmp_path / "run" / "data").glob("shard_*.pt"))[0])
     assert "features" not in shard  # ids only: the features came from the target at each training step
     loaded = DFlash2Drafter.from_pretrained(tmp_path / "run" / "drafter", dtype=torch.float32)
-    target = sd.Target(model, loaded.config.target_layer_ids)
+    target = Target(model, loaded.config.target_layer_ids)
     for prompt in ([3, 5, 9, 4], [7, 1, 1, 2, 8, 30]):
         res = sd.generate(target, loaded, [prompt], max_new_tokens=24)[0]
         ar = sd.generate(target, None, [prompt], method="ar", max_new_tokens=24)[0]
@@ -278,7 +279,8 @@ def test_device_cuda_without_cuda_is_a_usage_error(monkeypatch, capsys):
     import pytest
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(train, "load_target", lambda *a, **k: pytest.fail("a target loaded"))
+    for module in (distill, fit, train):
+        monkeypatch.setattr(module, "load_target", lambda *a, **k: pytest.fail("a target loaded"))
     for cmd in (["data"], ["prompts", "--kind", "self-instruct", "--out", "x.jsonl"], ["train"],
                 ["run", "--minutes", "1", "--out", "x"]):
         with pytest.raises(SystemExit) as e:
@@ -292,12 +294,12 @@ def test_features_from_the_target_equal_the_stored_ones(tmp_path):
     frozen target as generation stores."""
     model, rows, _ = _tiny_setup(tmp_path, n_seqs=3)
     seqs = [(i, f, 4) for i, f in rows]
-    feats = train.target_features(model, seqs, [0, 2], bf16=False)
+    feats = distill.target_features(model, seqs, [0, 2], bf16=False)
     for s, (_, f, _) in enumerate(seqs):
         assert torch.allclose(feats[s, : len(f)], f.float(), atol=0.05 * f.float().abs().max().item())
     # and the batch built from them is the one built from the shards, up to bf16 storage
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
-    a, b = train.make_batch(seqs, 4, 5, 63, g1), train.make_batch(seqs, 4, 5, 63, g2, features=feats)
+    a, b = fit.make_batch(seqs, 4, 5, 63, g1), fit.make_batch(seqs, 4, 5, 63, g2, features=feats)
     assert all(torch.equal(x, y) for x, y in zip(a[1:], b[1:]))
 
 
@@ -418,11 +420,11 @@ def test_seen_prompts_reads_every_answered_prompt(tmp_path):
     import pytest
 
     _tiny_setup(tmp_path, n_seqs=3)
-    seen = train.seen_prompts([tmp_path / "data"])
+    seen = distill.seen_prompts([tmp_path / "data"])
     assert seen == {(1 + i, 5, 9, 2 + i) for i in range(3)}
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no shard"):
-        train.seen_prompts([tmp_path / "empty"])
+        distill.seen_prompts([tmp_path / "empty"])
 
 
 def test_generated_prompts_lose_duplicates_and_evaluation_text():
@@ -447,7 +449,7 @@ def test_generated_prompts_lose_duplicates_and_evaluation_text():
 
 
 def test_generated_questions_are_cleaned():
-    c = train._clean_question
+    c = distill._clean_question
     assert c('Chatbot: "How does a negotiation take place in a business setting?" more') == \
         "How does a negotiation take place in a business setting?"
     assert c("Q: how do tides work on the coast? And why") == "How do tides work on the coast?"
@@ -473,15 +475,15 @@ def test_multi_turn_prompts_are_conversations_the_data_step_reads(tmp_path):
     args = argparse.Namespace(kind="multi-turn", out=str(out), num=3, first_turns=str(firsts), answer_tokens=24,
                               target=str(tmp_path / "target"), data_dir="unused", batch_size=2, threads=1, seed=0,
                               dtype="float32")
-    train.make_prompts(args)
-    rows = train.read_prompts_file(out)
+    distill.make_prompts(args)
+    rows = distill.read_prompts_file(out)
     assert rows, "no conversation kept"
     target, tok2 = load_target(str(tmp_path / "target"), prepack=False)
     stop = set(stop_token_ids(target, tok2))
     for conv in rows:
         assert [m["role"] for m in conv] == ["user", "assistant", "user"] and conv[2]["content"] in FOLLOW_UPS
         first = chat_ids(tok2, conv[0]["content"])
-        greedy = train.generate_with_features(target, [first], [0], 24, stop, 1)[0][0][len(first):].tolist()
+        greedy = distill.generate_with_features(target, [first], [0], 24, stop, 1)[0][0][len(first):].tolist()
         assert conv[1]["content"] == tok2.decode([t for t in greedy if t not in stop], skip_special_tokens=True).strip()
         ids = chat_ids(tok2, conv)
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in conv) + "<|im_start|>assistant\n"
@@ -490,7 +492,7 @@ def test_multi_turn_prompts_are_conversations_the_data_step_reads(tmp_path):
     import pytest
 
     with pytest.raises(SystemExit, match="neither"):
-        train.read_prompts_file(tmp_path / "bad.jsonl")
+        distill.read_prompts_file(tmp_path / "bad.jsonl")
 
 
 def test_prompt_data_files_and_word_lists_are_all_used(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dflash2 import spec_decode as sd
+from dflash2.target import SlotCache, Target
 from dflash2.settings import InputError
 from targets import TREE_ARCHS, reference_greedy, tiny_drafter, tiny_target
 from test_spec_decode import _loop_tv, _sampling_pair, uncached_draft
@@ -19,7 +20,7 @@ def pair(arch, top_k=4):
     if (arch, top_k) not in _cache:
         model = tiny_target(arch)
         drafter = tiny_drafter(model, 8, top_k=top_k)
-        _cache[arch, top_k] = (model, sd.Target(model, drafter.config.target_layer_ids), drafter)
+        _cache[arch, top_k] = (model, Target(model, drafter.config.target_layer_ids), drafter)
     return _cache[arch, top_k]
 
 
@@ -76,7 +77,7 @@ def test_block_sparse_target_is_refused_with_a_clear_error():
     model = tiny_target("minimax_m3")
     drafter = tiny_drafter(model)
     with pytest.raises(InputError, match="dense attention"):
-        sd.generate(sd.Target(model, drafter.config.target_layer_ids), drafter, [[1, 2]], method="dflash2-tree")
+        sd.generate(Target(model, drafter.config.target_layer_ids), drafter, [[1, 2]], method="dflash2-tree")
 
 
 @pytest.mark.parametrize("budget, scores", [(6, "selector"), (10, "marginal")])
@@ -114,12 +115,13 @@ def _greedy_fails():
     return any(r.tokens != reference_greedy(model, p, 24) for p, r in zip(GOLDEN_PROMPTS, results))
 
 
-def _node_logits_wrong(arch="llama", steps=6):
+def _node_logits_wrong(arch="llama", steps=6, deep=None):
     """Whether any tree node's target logits differ from an uncached forward over the committed tokens
     followed by the node's own path (what the tree mask and positions must reproduce), in the first
-    `steps` steps of a ragged batch."""
-    model, target, drafter = pair(arch)
-    prompts = [[1, 2, 3], list(range(5, 20)), [7]]
+    `steps` steps of a ragged batch. arch "golden": the golden pair, whose trees are accepted deep;
+    deep (a list) then gets each step's count of rows that accepted two nodes or more."""
+    model, target, drafter = golden_pair() if arch == "golden" else pair(arch)
+    prompts = GOLDEN_PROMPTS[:3] if arch == "golden" else [[1, 2, 3], list(range(5, 20)), [7]]
     emitted, seen, forward = {r: [] for r in range(len(prompts))}, [], target.forward
 
     def spy(ids, positions, cache, view_len, slots=None, visible=None):
@@ -130,6 +132,8 @@ def _node_logits_wrong(arch="llama", steps=6):
     def trace(rec):
         if rec["steps"][0] > steps:
             return
+        if deep is not None:
+            deep.append(int((rec["num_accepted"] >= 2).sum()))
         tree, logits = rec["tree"], seen[-1]
         for r, req in enumerate(rec["requests"]):
             committed = prompts[req] + emitted[req]
@@ -155,23 +159,41 @@ def _node_logits_wrong(arch="llama", steps=6):
     return bool(wrong)
 
 
-@pytest.mark.parametrize("arch", TREE_ARCHS)
+@pytest.mark.parametrize("arch", TREE_ARCHS + ("golden",))
 def test_every_node_sees_exactly_its_path(arch):
     """The target's logits at every tree node equal a plain forward over the committed tokens and that
     node's path: the mask shows a node its ancestors and nothing else, at positions anchor + depth, over
     a context the previous steps compacted correctly. (Greedy output alone can miss this: a small
-    model's argmax often survives a wrong position.)"""
-    assert not _node_logits_wrong(arch)
+    model's argmax often survives a wrong position.) On the golden pair, paths of two nodes and more are
+    accepted, so the compaction of an accepted path is exercised, not only the anchor's."""
+    deep = []
+    assert not _node_logits_wrong(arch, deep=deep)
+    if arch == "golden":
+        assert sum(deep) >= 3, deep
+
+
+def test_accepted_path_moved_one_slot_off_is_caught_by_node_logits(monkeypatch):
+    """commit_path moving the accepted path's K/V one slot off (planted): the next steps' nodes see a
+    wrong context, and the node logits name it, on a pair that accepts deep paths."""
+    def off_by_one(rows, feats, path, B):
+        entries = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], 1)
+        block_pos = rows.pos[:, None] + torch.arange(B)
+        rows.cache.move(rows.pos[:, None] + entries, block_pos + 1)  # one slot late
+        rows.ctx.write(feats.gather(1, entries[:, :, None].expand(-1, -1, feats.shape[-1])), block_pos)
+
+    assert not _node_logits_wrong("golden")
+    monkeypatch.setattr(sd, "commit_path", off_by_one)
+    assert _node_logits_wrong("golden")
 
 
 def test_position_by_node_index_is_caught_by_node_logits(monkeypatch):
     model, target, _ = pair("llama")
-    forward = sd.Target.forward
+    forward = Target.forward
 
     def by_index(self, ids, positions, cache, view_len, slots=None, visible=None):
         return forward(self, ids, positions if slots is None else slots, cache, view_len, slots, visible)
 
-    monkeypatch.setattr(sd.Target, "forward", by_index)
+    monkeypatch.setattr(Target, "forward", by_index)
     assert _node_logits_wrong()
 
 
@@ -187,7 +209,7 @@ def test_missing_ancestor_in_the_mask_is_caught(monkeypatch):
 
 
 def test_wrong_kv_kept_after_compaction_is_caught(monkeypatch):
-    monkeypatch.setattr(sd.SlotCache, "move", lambda self, src, dst: None)  # nodes' K/V stay in scratch order
+    monkeypatch.setattr(SlotCache, "move", lambda self, src, dst: None)  # nodes' K/V stay in scratch order
     assert _greedy_fails()
 
 
