@@ -21,6 +21,16 @@ from dflash2.settings import (DEFAULT_DRAFT, DEFAULT_TARGET, DTYPE_NAMES, METHOD
                               HelpFormatter, InputError, LoadError, SettingError, drafter_block_size, one_line)
 
 
+def auto_or_int(text):
+    """A width flag: "auto" (the speculation policy chooses) or a number."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number, got {text!r}") from None
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line on stderr from main(), not argparse's usage dump
         raise InputError(message)
@@ -40,8 +50,9 @@ def build_parser():
     p.add_argument("--method", choices=METHODS, default="dflash2",
                    help="dflash2: selector walk; dflash: per-slot argmax (v1); ar: plain decoding; dflash2-tree: "
                         "verify a tree of the top-K candidates (docs/SPEC.md §9)")
-    p.add_argument("--tree-budget", type=int,
-                   help="dflash2-tree: nodes per tree (default: 8 on CPU, 32 on CUDA, settings.DEFAULT_TREE_BUDGET)")
+    p.add_argument("--tree-budget", type=auto_or_int, default="auto",
+                   help="dflash2-tree: nodes per tree; auto: chosen each step from this machine's measured costs and "
+                        "the drafter's law, up to 32 (policy.py)")
     p.add_argument("--tree-scores", choices=TREE_SCORES, default="selector",
                    help="dflash2-tree path scores: selector (the walk's conditional law) or marginal (DDTree's)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
@@ -49,8 +60,10 @@ def build_parser():
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="seed of every random draw (sampling only)")
-    p.add_argument("--block-size", type=int,
-                   help="anchor + drafts per step, 2..the drafter's (default: the drafter's)")
+    p.add_argument("--block-size", type=auto_or_int, default="auto",
+                   help="anchor + drafts per step, 2..the drafter's; auto: each step verifies the drafts the drafter's "
+                        "law expects accepted where this machine's measured costs say they pay, up to the drafter's "
+                        "block, or decodes plainly when drafting does not pay (policy.py)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="the target's (default: float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--draft-dtype", choices=DTYPE_NAMES,
@@ -85,9 +98,13 @@ FLAGS = {"method": "--method", "max_new_tokens": "--max-new-tokens", "temperatur
 
 def settings_of(args, stop_ids=()):
     """The run's DecodeSettings from the command line, checked (before torch is imported)."""
+    tree = args.method == "dflash2-tree"
+    fixed = (args.tree_budget if tree else args.block_size) != "auto"  # a number fixes every step's width
     settings = DecodeSettings(method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=stop_ids,
-                              block_size=args.block_size, tree_budget=args.tree_budget, tree_scores=args.tree_scores)
+                              block_size=None if args.block_size == "auto" else args.block_size,
+                              tree_budget=None if args.tree_budget == "auto" else args.tree_budget,
+                              tree_scores=args.tree_scores, policy="fixed" if fixed else "auto")
     return settings.validate()
 
 

@@ -211,15 +211,22 @@ def alternate(target, drafter, prompts, args, stop_ids, eager, compiled):
 
 
 def method_settings(label, args, stop_ids=(), **fields):
-    """The DecodeSettings of one of our method labels (dflash2-tree@N is the tree at budget N) under the
-    bench's flags; fields amend it."""
-    tree = label.startswith("dflash2-tree")
-    s = DecodeSettings(method="dflash2-tree" if tree else label, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                       stop_ids=stop_ids, block_size=args.block_size, static=args.compile,
-                       tree_budget=int(label.split("@")[1]) if tree and "@" in label else None,
-                       tree_scores=args.tree_scores)
+    """The DecodeSettings of one of our method labels under the bench's flags: NAME@N runs every step at width N
+    (dflash2@4: blocks of 4; dflash2-tree@16: trees of 16 nodes), NAME alone as --policy says; fields amend it."""
+    name, _, width = label.partition("@")
+    tree = name == "dflash2-tree"
+    s = DecodeSettings(method=name, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=stop_ids,
+                       block_size=int(width) if width and not tree else args.block_size, static=args.compile,
+                       tree_budget=int(width) if width and tree else None, tree_scores=args.tree_scores,
+                       policy="fixed" if width else args.policy)
     return dataclasses.replace(s, **fields)
+
+
+def width_shares(results):
+    """{verified block (anchor included; 1 = a plain step): share of the decode steps}, over all requests."""
+    widths = [w for r in results for w in r.widths]
+    return {w: round(widths.count(w) / len(widths), 3) for w in sorted(set(widths))} if widths else {}
 
 
 def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, desc, timings=None):
@@ -556,7 +563,8 @@ def plot(rows, tasks, methods, concurrencies, path):
 def _names(allowed):
     def parse(s):
         names = list(dict.fromkeys(x.strip() for x in s.split(",") if x.strip()))  # in order, once each
-        bad = [x for x in names if x not in allowed]
+        # ours may name a fixed width: dflash2@4, dflash2-tree@16
+        bad = [x for x in names if x not in allowed and not (x.partition("@")[0] in METHODS and x.partition("@")[2].isdigit())]
         if bad or not names:
             raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, got {s!r}")
         return names
@@ -631,7 +639,10 @@ def build_parser():
     ap.add_argument("--top-p", type=float, default=1.0, help="the card uses 0.95")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (one per run)")
-    ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    ap.add_argument("--block-size", type=int, default=None, help="the block, or with --policy auto its cap (default: the drafter's)")
+    ap.add_argument("--policy", choices=("auto", "fixed"), default="auto",
+                    help="auto: each step's width from this machine's measured costs and the drafter's law (policy.py); "
+                         "fixed: every step verifies the whole block or tree. A label NAME@N is always fixed at N")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda when available, else cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the target's")
     ap.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -768,6 +779,8 @@ def main(argv=None):
                 tokens = sum(len(r.tokens) for r in results)
                 row.update(acceptance_length=mean_tau(results), throughput_tok_s=tokens / wall,
                            completion_tokens=tokens, wall_s=wall)
+                if m not in PEERS and m != "ar":
+                    row["widths"] = width_shares(results)
                 if timings is not None:
                     row["step_ms"] = step_ms(results, timings)
 

@@ -12,7 +12,7 @@ from .checkpoint import read_json, resolve_checkpoint
 from .kernels import prepack_linears
 from .model import DFlash2Drafter
 from .target import Target, fix_partial_rotary, text_config
-from .settings import DEFAULT_DRAFT, DEFAULT_TARGET, InputError, LoadError, is_hub_id, local_checkpoint, one_line
+from .settings import DEFAULT_DRAFT, cache_dir, DEFAULT_TARGET, InputError, LoadError, is_hub_id, local_checkpoint, one_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,12 +120,6 @@ def encode_prompt(tok, text, system=None, chat=True):
 # --- the target ---
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("DFLASH2_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dflash2-ref")
-    return Path(root)
 
 
 def smollm2_safetensors() -> Path:

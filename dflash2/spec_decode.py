@@ -6,13 +6,16 @@ generator=g)`) and handed to verify.py's math, so no step needs a host sync and 
 
 import dataclasses
 import functools
+import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .kernels import check_attn_backend
+from .policy import COST_CONTEXT, COST_WIDTHS, TREE_BUDGETS, Costs, Policy, cost_key, costs_for, interpolate
 from .model import DraftContext, dflash1_walk
-from .settings import DecodeSettings, InputError, SettingError
+from .settings import AUTO_TREE_CAP, DecodeSettings, InputError, SettingError, cache_dir
 from .target import SlotCache, install_output_hooks, text_config
 from .verify import (build_tree, marginal_log_weights, process_logits, sample_from, selector_log_weights,
                      tree_ancestors, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled)
@@ -57,6 +60,20 @@ def select_path(selector, h, U, anchor, method, temperature, generator, with_can
     cand_ids, cand_logits = selector.candidates(U, selector.top_k)
     drafts, q = selector.walk(selector.edge_scores(h, U, cand_ids, anchor), cand_ids, temperature, generator)
     return drafts, q, cand_ids, cand_logits
+
+
+def draft_confidence(selector, h, U, anchor, drafts, method):
+    """c_t [b, n]: the largest probability of the law slot t's draft comes from at T = 1, given the draft before
+    it: the selector's law over the whole vocabulary (verify.selector_log_weights), or softmax U_t for dflash.
+    It reads d_{t-1}, never d_t, so a cut on it is a stopping rule, lossless at every temperature (SPEC §10)."""
+    if method == "dflash":
+        return U.float().softmax(-1).amax(-1)
+    cand_ids, _ = selector.candidates(U, selector.top_k)
+    logw = selector_log_weights(selector.edge_scores(h, U, cand_ids, anchor), U, cand_ids)
+    b, n, K = cand_ids.shape
+    prev = (cand_ids[:, :-1] == drafts[:, :-1, None]).int().argmax(-1)  # d_{t-1}'s index in C_{t-1}
+    prev = torch.cat([prev.new_zeros(b, 1), prev], 1)
+    return logw.gather(2, prev[:, :, None, None].expand(b, n, 1, K)).squeeze(2).amax(-1).exp()
 
 
 def select_tree(selector, h, U, anchor, budget, scores, max_depth):
@@ -105,6 +122,7 @@ class Result:
     tokens: list = field(default_factory=list)
     verify_steps: int = 0  # target forwards: the prefill, then one per decode step
     accepted: list = field(default_factory=list)  # drafts accepted at each decode step
+    widths: list = field(default_factory=list)  # each decode step's verified block, anchor included (1: plain)
     finished_by_stop: bool = False
 
     @property
@@ -195,13 +213,16 @@ def _prefill(target, drafter, prompts, max_len, max_new_tokens, W, static, sampl
     return Rows(cache, ctx, sampling.first_tokens(last), lens, lens + max_new_tokens, live)
 
 
-def decode_step(target, drafter, rows, method, sampling, B, view_len, ctx_len, propose=None, traced=False):
+def decode_step(target, drafter, rows, method, sampling, B, view_len, ctx_len, propose=None, traced=False,
+                cut=None):
     """One step for every row: draft a block, select a path, verify it with one target forward, write
     the verified features into the drafter's context, advance anchors and positions (docs/SPEC.md §3-5).
 
-    A row's block shrinks to min(B, tokens it may still make + 1) (block_sizes). Returns num_accepted [b]
-    and out [b, B] (the accepted drafts, then the target's token, then -1), plus the step's tensors
-    for a trace when traced (else None).
+    A row's block shrinks to min(B, tokens it may still make + 1) (block_sizes). cut(confidence [b, B-1])
+    -> (drafts to verify per row [b], W): the speculation policy (policy.py) cuts each row's block, and
+    the forward is W <= B wide. Returns
+    num_accepted [b] and out [b, W] (the accepted drafts, then the target's token, then -1), plus the step's
+    tensors for a trace when traced (else None).
     """
     b, device = rows.anchor.shape[0], rows.anchor.device
     sizes = block_sizes(rows.end, rows.pos, B)
@@ -214,6 +235,10 @@ def decode_step(target, drafter, rows, method, sampling, B, view_len, ctx_len, p
         h, U = draft(drafter, target, rows.ctx, rows.anchor, rows.pos, ctx_len, B, sizes)
         drafts, q, *cands = select_path(drafter.candidate_selector, h, U, rows.anchor, method,
                                         sampling.temperature, sampling.generator, with_candidates=traced)
+        if cut is not None:  # verify only the first drafts the law expects to be accepted
+            keep, B = cut(draft_confidence(drafter.candidate_selector, h, U, rows.anchor, drafts, method))
+            drafts, q, sizes = drafts[:, : B - 1], q[:, : B - 1], torch.minimum(sizes, keep + 1)
+            cands = [None if c is None else c[:, : B - 1] for c in cands]
     block_pos = rows.pos[:, None] + torch.arange(B, device=device)
     logits, feats = target.forward(torch.cat([rows.anchor[:, None], drafts], 1), block_pos, rows.cache, view_len)
     u_accept = u_emit = None
@@ -233,11 +258,13 @@ def decode_step(target, drafter, rows, method, sampling, B, view_len, ctx_len, p
     return num_accepted, out, record
 
 
-def decode_tree_step(target, drafter, rows, sampling, B, budget, scores, view_len, ctx_len, traced=False):
+def decode_tree_step(target, drafter, rows, sampling, B, budget, scores, view_len, ctx_len, traced=False,
+                     cut=None):
     """decode_step with a tree: draft a block, build a tree of `budget` nodes over its candidates, verify
     every node in one target forward (a node sees the context, the anchor and its ancestors, at position
     anchor + depth), descend while the target's token is a child (docs/SPEC.md §9), then move the
     accepted path's K/V to slot = position and write its features into the drafter's context.
+    cut(tree) -> N <= budget (the speculation policy): the step verifies the tree's N best nodes instead.
 
     The tree's K/V go to scratch slots pos .. pos + budget, past every committed slot of the row.
     Returns num_accepted [b], out [b, B] and the step's tensors for a trace when traced.
@@ -246,6 +273,8 @@ def decode_tree_step(target, drafter, rows, sampling, B, budget, scores, view_le
     sizes = block_sizes(rows.end, rows.pos, B)
     h, U = draft(drafter, target, rows.ctx, rows.anchor, rows.pos, ctx_len, B, sizes)
     tree = select_tree(drafter.candidate_selector, h, U, rows.anchor, budget, scores, sizes - 1)
+    if cut is not None and (n := cut(tree)) < budget:  # a tree is fixed before the target's draws: any cut is lossless
+        budget, tree = n, select_tree(drafter.candidate_selector, h, U, rows.anchor, n, scores, sizes - 1)
     slots, visible = tree_mask(rows.pos, tree.parents, view_len)
     depth = torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1)
     ids = torch.cat([rows.anchor[:, None], tree.tokens], 1)
@@ -356,9 +385,9 @@ class Requests:
         self.request, self.pos, self.alive = [self.request[r] for r in keep], self.pos[keep], [True] * len(keep)
         return keep
 
-    def commit(self, host):
-        """A step's host copy [b, 1 + B] (num_accepted, then out) into the live rows' Results. Returns
-        whether a row finished (its anchor and position then freeze)."""
+    def commit(self, host, widths):
+        """A step's host copy [b, 1 + B] (num_accepted, then out) and each row's verify width into the live rows'
+        Results. Returns whether a row finished (its anchor and position then freeze)."""
         finished = False
         for r, req in enumerate(self.request):
             if self.alive[r]:
@@ -366,6 +395,7 @@ class Requests:
                 res = self.results[req]
                 res.verify_steps += 1
                 res.accepted.append(a)
+                res.widths.append(widths[r])
                 self.pos[r] += a + 1
                 self.alive[r] = self.emit(req, host[r, 1 : a + 2].tolist())
                 finished |= not self.alive[r]
@@ -392,7 +422,8 @@ class Requests:
 
 
 @torch.inference_mode()
-def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=None, trace=None, **fields):
+def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=None, trace=None, speculation=None,
+             **fields):
     """Speculative decoding of a batch of prompts (lists of token ids) under one DecodeSettings (keyword
     fields build or amend it: generate(..., max_new_tokens=64)); one decode step per iteration.
 
@@ -402,7 +433,9 @@ def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=N
     acceptance patterns with it). `on_emit(request, tokens)` streams output. `trace(record)` receives
     every step's tensors (tracing adds host copies). `static=True` limits shapes to a few buckets (cache
     views rounded up to VIEW_BUCKET slots) for compiled cores. `method="dflash2-tree"` verifies a tree
-    of `tree_budget` nodes with decode_tree_step. Returns one Result per prompt.
+    of `tree_budget` nodes with decode_tree_step. `policy="auto"` lets a policy.Policy choose each step's
+    width (this machine's costs, measured once: measure_costs); `speculation=` passes the Policy (tests, replays).
+    Returns one Result per prompt.
     """
     settings = DecodeSettings(**fields) if settings is None else dataclasses.replace(settings, **fields)
     s, W, longest, limit = check_generate_args(target, drafter, prompts, settings, propose)
@@ -414,13 +447,19 @@ def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=N
     ctx_drafter = drafter if s.method != "ar" else None  # whose context a prefill fills (none for ar)
     book = Requests(prompts, s, on_emit)
     traced = trace is not None
+    policy = speculation
+    if policy is None and s.policy == "auto" and propose is None:
+        policy = Policy(costs_for(target, drafter, measure_costs, cache_dir() / "costs.json"),
+                        s.tree_budget if s.method == "dflash2-tree" else B, tree=s.method == "dflash2-tree")
+    cut = {} if policy is None else dict(cut=policy.cut_tree if s.method == "dflash2-tree" else policy.cut_chain)
     if s.method == "dflash2-tree":
         step = functools.partial(decode_tree_step, target, drafter, sampling=sampling, B=B, budget=s.tree_budget,
-                                 scores=s.tree_scores, traced=traced)
+                                 scores=s.tree_scores, traced=traced, **cut)
     else:
         proposer = None if propose is None else lambda anchor, pos: propose(anchor, pos, torch.tensor(book.request))
         step = functools.partial(decode_step, target, drafter, method=s.method, sampling=sampling, B=B,
-                                 propose=proposer, traced=traced)
+                                 propose=proposer, traced=traced, **cut)
+    plain = functools.partial(decode_step, target, drafter, method=s.method, sampling=sampling, B=1, traced=traced)
 
     def admit(rows, free):
         """Prefill the next waiting requests into rows `free` (rows past the end are appended)."""
@@ -450,9 +489,64 @@ def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=N
         ctx_len = view_len - W
         if s.static:  # a handful of shapes, each compiled once; the extra slots are masked out
             view_len = ctx_len = min(-(-view_len // VIEW_BUCKET) * VIEW_BUCKET, max_len)
-        num_accepted, out, record = step(rows=rows, view_len=view_len, ctx_len=ctx_len)
+        drafted = True
+        if policy is not None:
+            policy.begin(book.request, book.steps())
+            drafted = policy.drafts(book.alive)
+        num_accepted, out, record = (step if drafted else plain)(rows=rows, view_len=view_len, ctx_len=ctx_len)
+        widths = [W] * len(book.request) if policy is None else policy.widths
         if traced:
-            trace(dict(record, requests=list(book.request), steps=book.steps()))
-        if book.commit(torch.cat([num_accepted[:, None], out], 1).cpu()):  # the one host sync per step
+            trace(dict(record, requests=list(book.request), steps=book.steps(),
+                       widths=None if policy is None else widths))
+        host = torch.cat([num_accepted[:, None], out], 1).cpu()  # the one host sync per step
+        if policy is not None:
+            policy.end(book.alive, host[:, 0].tolist(), drafted)
+        if book.commit(host, widths):
             rows.live = torch.tensor(book.alive, device=device)
     return book.results
+
+
+def _best_time(fn, reps, least_s=0.02):
+    """The fastest of at least reps calls (more while they take under least_s in all), after a warm-up."""
+    fn()  # warm-up: first calls allocate
+    best, spent, n = float("inf"), 0.0, 0
+    while n < reps or spent < least_s:
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        took = time.perf_counter() - start
+        best, spent, n = min(best, took), spent + took, n + 1
+    return best
+
+
+@torch.inference_mode()
+def measure_costs(target, drafter, max_width=AUTO_TREE_CAP + 1, reps=3):
+    """This machine's policy.Costs: a verify forward at policy.COST_WIDTHS over a COST_CONTEXT-token context,
+    and one draft (the chain's walk, and a tree at the largest budget), each timed as the loop runs it."""
+    device, ctx, W = target.device, COST_CONTEXT, max_width
+    prompt = torch.randint(target.vocab_size, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
+    sampling = Sampling(0.0, 0, 1.0, torch.Generator(device=device))
+    rows = _prefill(target, drafter, [prompt], ctx + W + 2, 1, W, False, sampling)
+    seconds = {}
+    for w in [x for x in COST_WIDTHS if x <= W]:
+        ids = torch.zeros(1, w, dtype=torch.long, device=device)
+        pos = ctx + torch.arange(w, device=device)[None]
+        seconds[w] = _best_time(lambda: target.forward(ids, pos, rows.cache, ctx + W), reps)
+    one = seconds[1]
+    draft_cost = tree_cost = 0.0
+    if drafter is not None:
+        B, sel, anchor, p = drafter.config.block_size, drafter.candidate_selector, rows.anchor, rows.pos
+
+        def chain():
+            h, U = draft(drafter, target, rows.ctx, anchor, p, ctx, B)
+            drafts, *_ = select_path(sel, h, U, anchor, "dflash2", 0.0, None, with_candidates=False)
+            draft_confidence(sel, h, U, anchor, drafts, "dflash2")
+
+        def tree():
+            h, U = draft(drafter, target, rows.ctx, anchor, p, ctx, B)
+            select_tree(sel, h, U, anchor, TREE_BUDGETS[-1], "selector", torch.full_like(p, B - 1))
+
+        draft_cost, tree_cost = _best_time(chain, reps) / one, _best_time(tree, reps) / one
+    verify = list(itertools.accumulate(interpolate({w: t / one for w, t in seconds.items()}, W), max))  # never cheaper wider
+    return Costs(verify, draft_cost, tree_cost, cost_key(target, drafter), one * 1000)

@@ -11,6 +11,7 @@ import torch
 from . import spec_decode as sd
 from .machine import machine
 from .pair import DTYPES, load_pair
+from .policy import ReplayPolicy
 from .settings import DecodeSettings, InputError, one_line
 
 # /2: a block shrinks to what is left of the budget (per-slot lists are that long), and results carry
@@ -124,9 +125,17 @@ def tree_step_records(rec):
 
 
 def step_records(rec):
-    """Split one generate() trace record (tensors batched over the live rows) into per-request dicts."""
-    if "tree" in rec:
-        return tree_step_records(rec)
+    """Split one generate() trace record (tensors batched over the live rows) into per-request dicts. A step
+    whose width the auto policy chose records it (width: the row's verified block with its anchor, 1 for a plain
+    step; for a tree, budget + 1)."""
+    records = tree_step_records(rec) if "tree" in rec else chain_step_records(rec)
+    if rec.get("widths") is not None:
+        records = [dict(r, width=w) for r, w in zip(records, rec["widths"])]
+    return records
+
+
+def chain_step_records(rec):
+    """Per-request dicts of one chain step (drafts, candidates, laws and draws per slot)."""
     n_acc = rec["num_accepted"].tolist()
     drafts = rec["drafts"].cpu()
     cands = None if rec["candidates"] is None else [t.cpu() for t in rec["candidates"]]
@@ -164,7 +173,7 @@ STEP_TYPES = ("step", "tree_step")
 NODE_FIELDS = ("tree_parents", "tree_tokens", "tree_depth", "tree_scores")  # index i is tree entry i+1
 # The order fields are compared in: the first divergence in data-flow order. Fields not named here
 # (another implementation's extras) are compared after these, so no recorded field goes unchecked.
-STEP_FIELDS = ("anchor_pos", "context_len", "anchor", "candidates", "cand_logits", "drafts", "q", "q_draft",
+STEP_FIELDS = ("anchor_pos", "context_len", "anchor", "width", "candidates", "cand_logits", "drafts", "q", "q_draft",
                "tree_parents", "tree_tokens", "tree_depth", "tree_scores", "target_argmax", "target_y", "u_accept",
                "u_emit", "u_tree", "path", "num_accepted", "out")
 
@@ -259,12 +268,16 @@ def check_trace(path, target=None, draft=None, device="cpu", atol=1e-4, log=sys.
         if directory is not None and recorded and sha256_files(directory) != recorded["sha256"]:
             print(f"note: the {role} files differ from the trace's (sha256)", file=log)
     settings = DecodeSettings.from_record(cfg)
+    policy = None
+    if settings.policy == "auto":  # the widths the run chose, not this machine's choice
+        policy = ReplayPolicy({(r["request"], r["step"]): r.get("width", 1) for r in records[1:]
+                               if r.get("type") in STEP_TYPES})
     replay = []
 
     def trace(rec):
         replay.extend(step_records(rec))
 
-    results = sd.generate(pair.target, pair.drafter, cfg["prompts"], settings, trace=trace)
+    results = sd.generate(pair.target, pair.drafter, cfg["prompts"], settings, trace=trace, speculation=policy)
     replay += [result_record(i, res) for i, res in enumerate(results)]
     divergence = compare_traces(replay, records[1:], atol)
     if divergence is not None:

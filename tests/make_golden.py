@@ -74,7 +74,7 @@ def self_distilled(target, taps, n=32, length=40):
 
 def fit(target, drafter, steps=300):
     """A short run of the real training loss, so that greedy traces accept drafts too (a random drafter never does)."""
-    from dflash2.train import default_gamma, drafter_loss, make_batch, position_weights
+    from dflash2.fit import default_gamma, drafter_loss, make_batch, position_weights
 
     seqs = self_distilled(target, drafter.config.target_layer_ids)
     B = drafter.config.block_size

@@ -106,7 +106,7 @@ def test_tiny_run_reports_every_field(tiny_pair, tmp_path, capsys):
     assert {(r["task"], r["method"], r["concurrency"]) for r in rows} == {
         (t, m, c) for t in ("gsm8k", "mbpp") for m in ("ar", "dflash2") for c in (1, 2)}
     for r in rows:
-        assert set(r) - {"step_ms"} == {"task", "method", "concurrency", "num_prompts", "acceptance_length",
+        assert set(r) - {"step_ms", "widths"} == {"task", "method", "concurrency", "num_prompts", "acceptance_length",
                                         "throughput_tok_s", "speedup_vs_ar", "speedup_vs_hf", "completion_tokens",
                                         "wall_s", "identical_to_ar", "cannot_run"}
         assert r["num_prompts"] == 3 and r["identical_to_ar"] is True and r["cannot_run"] is None
@@ -125,9 +125,9 @@ def test_tiny_run_reports_every_field(tiny_pair, tmp_path, capsys):
 
 
 def test_greedy_mismatch_is_reported_loudly(tiny_pair, tmp_path, capsys, monkeypatch):
-    def corrupted(*args, method, **kwargs):
-        results = bench_generate(*args, method=method, **kwargs)
-        if method == "dflash2":
+    def corrupted(target, drafter, prompts, settings, **kwargs):
+        results = bench_generate(target, drafter, prompts, settings, **kwargs)
+        if settings.method == "dflash2":
             results[0].tokens[-1] ^= 1
         return results
 
@@ -244,7 +244,7 @@ def test_peers_reproduce_our_greedy_output_and_say_what_they_cannot_run(tiny_pai
     assert set(rows) == {(t, m, c) for t in ("gsm8k", "mbpp") for m in methods for c in (1, 2)}
     assert report["config"]["pld_num_tokens"] == 3 and report["config"]["pld_ngram"] == 1
     for (task, m, c), r in rows.items():
-        assert set(r) - {"step_ms"} == {"task", "method", "concurrency", "num_prompts", "acceptance_length",
+        assert set(r) - {"step_ms", "widths"} == {"task", "method", "concurrency", "num_prompts", "acceptance_length",
                                         "throughput_tok_s", "speedup_vs_ar", "speedup_vs_hf", "completion_tokens",
                                         "wall_s", "identical_to_ar", "cannot_run"}
         if m in peers and c == 2:
@@ -333,7 +333,7 @@ def test_profile_times_every_phase_without_timers_in_the_loop():
     drafter = tiny_drafter(model)
     target = Target(model, drafter.config.target_layer_ids)
     args = argparse.Namespace(max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=0, block_size=None,
-                              compile=False)
+                              compile=False, tree_scores="selector", policy="fixed")
     plain, _ = bench.run_method(target, drafter, [[1, 2]], "dflash2", 1, args, [], "plain")
     timings = {}
     profiled, wall = bench.run_method(target, drafter, [[1, 2]], "dflash2", 1, args, [], "profiled", timings)

@@ -104,7 +104,7 @@ def test_output_hooks_installed_before_compiling_capture_each_layer_once(arch):
 
     model = tiny_target(arch)
     fresh = copy.deepcopy(model)
-    sd._install_output_hooks(model)
+    install_output_hooks(model)
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         got = model(ids, output_hidden_states=True).hidden_states

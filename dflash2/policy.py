@@ -1,0 +1,196 @@
+"""The speculation policy: how wide each step's verify forward is, from what this machine pays for a width
+and what the drafter expects to be accepted. Never slower than plain decoding, and lossless.
+
+Costs: a verify forward over w tokens costs V(w), and a draft (drafter + selector) costs D, both measured
+once per machine, target and dtype (measure_costs, cached on disk) in units of a one-token forward V(1).
+
+Each step, for each row:
+1. Draft or not (before drafting, from earlier steps only): a row drafts while its drafted steps have
+   made more tokens per unit cost than plain decoding does (1 per V(1)); after a drafted step that did
+   not pay, it decodes plainly for 1, 2, 4, ... steps before it tries again.
+2. How far (after drafting): the chain verifies draft k while the selector's law expects it accepted
+   with a probability worth its extra cost: c_1 * .. * c_k >= rho * (V(k + 1) - V(k)), with c_j the
+   law's largest probability at slot j (given draft j-1: never draft j itself) and rho the row's rate so
+   far. The first slot that fails ends the block. The decision to verify d_k reads d_1..d_{k-1} and the
+   laws only: a stopping rule, lossless at every temperature (SPEC §10). A tree takes the node budget
+   with the most expected tokens per unit cost, sum of exp(path score) over its nodes; a tree is fixed
+   before the target's draws, so any budget is lossless (SPEC §9).
+In a batch each row is cut on its own and the forward is as wide as the widest row (a tree's budget is
+the batch's: the one the row that wants the most nodes chooses).
+"""
+import bisect
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+from .machine import machine
+from .target import text_config
+
+COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)  # measured; the rest interpolated
+COST_CONTEXT = 256  # context length the costs are measured at
+TREE_BUDGETS = (2, 4, 6, 8, 12, 16, 24, 32)  # the auto tree's choices (and its cap)
+
+
+@dataclass
+class Costs:
+    """V(w) for w = 1..len(verify), D for the chain's and the tree's draft, in units of V(1)."""
+
+    verify: list  # verify[w - 1] = V(w) / V(1)
+    draft: float
+    draft_tree: float
+    key: str = ""
+    ms_per_token: float = 0.0  # V(1) in ms, for --profile
+
+    def V(self, w):
+        return self.verify[min(w, len(self.verify)) - 1]
+
+
+def interpolate(points, n):
+    """[V(1) .. V(n)]: piecewise linear through the measured {width: cost}, straight on past the last point."""
+    ws = sorted(points)
+
+    def at(w):
+        i = min(max(bisect.bisect_left(ws, w), 1), len(ws) - 1)  # the segment [ws[i - 1], ws[i]]
+        a, b = ws[i - 1], ws[i]
+        return points[a] + (points[b] - points[a]) * (w - a) / (b - a)
+
+    return [points[w] if w in points else at(w) for w in range(1, n + 1)]
+
+
+def cost_key(target, drafter):
+    """What the costs depend on: machine, threads, device, target and drafter shapes and dtypes."""
+    tc = text_config(target.model.config)
+    parts = [machine().describe(), f"threads {torch.get_num_threads()}", str(target.device), type(target.model).__name__,
+             f"{tc.hidden_size}x{tc.num_hidden_layers} v{target.vocab_size}", str(target.lm_head_weight.dtype),
+             f"packed {target.prepacked}"]
+    if drafter is not None:
+        dc = drafter.config
+        parts += [f"draft {dc.hidden_size}x{dc.num_hidden_layers} B{dc.block_size} K{dc.selector_top_k}",
+                  str(next(drafter.parameters()).dtype)]
+    return " | ".join(parts)
+
+
+_MEMO = {}
+
+
+def costs_for(target, drafter, measure, cache_file=None):
+    """This machine's costs for the pair: from memory, else from the cache file, else measure(target, drafter)
+    (spec_decode.measure_costs, 1-3 s) and stored."""
+    key = cost_key(target, drafter)
+    if key in _MEMO:
+        return _MEMO[key]
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    stored = {}
+    if cache_file is not None and cache_file.is_file():
+        try:
+            stored = json.loads(cache_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            stored = {}
+    if digest in stored and stored[digest].get("key") == key:
+        costs = Costs(**stored[digest])
+    else:
+        costs = measure(target, drafter)
+        if cache_file is not None:
+            stored[digest] = costs.__dict__
+            try:
+                cache_file.parent.mkdir(parents=True, exist_ok=True)
+                cache_file.write_text(json.dumps(stored, indent=1))
+            except OSError:
+                pass  # a read-only cache: measure again next time
+    _MEMO[key] = costs
+    return costs
+
+
+@dataclass
+class RequestState:
+    """One request's history, on the host: its rate on drafted steps (tokens per unit cost, an average that
+    forgets), and how many plain steps it takes before it drafts again."""
+
+    rate: float = 2.0  # optimistic: a new request drafts first
+    plain_left: int = 0
+    backoff: int = 1
+
+
+class Policy:
+    """The widths of the loop's steps (module docstring). The loop calls, each step: begin (which rows are in
+    flight), drafts (step 1), cut_chain or cut_tree inside the step (step 2), then end with what was accepted."""
+
+    def __init__(self, costs, cap, tree=False, forget=0.7):
+        self.costs, self.cap, self.tree, self.forget = costs, cap, tree, forget
+        self.state = {}  # request -> RequestState
+        self.rows = []  # the states of this step's rows
+        self.widths = []  # each row's verified block this step (1: its anchor alone); the forward's is the widest
+
+    def begin(self, requests, steps):
+        self.rows = [self.state.setdefault(r, RequestState()) for r in requests]
+
+    def drafts(self, alive):
+        """Step 1, from earlier steps only: whether the drafter runs this step (some live row wants it)."""
+        self.widths = [1] * len(self.rows)
+        return any(a and s.plain_left == 0 for a, s in zip(alive, self.rows))
+
+    def cut_chain(self, conf):
+        """Step 2 of a chain: conf [b, n] the law's largest probability per slot. Returns the drafts each row
+        verifies [b] and the widest block (host)."""
+        rho = torch.tensor([max(1.0, s.rate) for s in self.rows], device=conf.device)
+        keep = chain_keep(conf, rho, self.costs)
+        self.widths = (keep + 1).tolist()  # the host sync of the decision
+        return keep, max(self.widths)
+
+    def cut_tree(self, tree):
+        """Step 2 of a tree: the budget among TREE_BUDGETS (up to the cap) with the most expected tokens per
+        unit cost, 1 + sum of exp(path score) over the budget's best nodes, for the row that wants the most."""
+        mass = torch.where(tree.valid, tree.scores.float().exp(), 0.0).sort(-1, descending=True).values.cumsum(-1)
+        budgets = [b for b in TREE_BUDGETS if b <= min(self.cap, mass.shape[1])] or [mass.shape[1]]
+        rate = torch.stack([(1 + mass[:, b - 1]) / (self.costs.draft_tree + self.costs.V(b + 1)) for b in budgets], 1)
+        budget = budgets[int(rate.argmax(-1).max())]
+        self.widths = [budget + 1] * len(self.rows)
+        return budget
+
+    def end(self, alive, accepted, drafted):
+        """After a step: each live row's tokens (accepted + 1) for what the step cost."""
+        cost = (self.costs.draft_tree if self.tree else self.costs.draft) + self.costs.V(max(self.widths))
+        for s, a, n in zip(self.rows, alive, accepted):
+            if not a:
+                continue
+            if not drafted:
+                s.plain_left = max(0, s.plain_left - 1)
+                continue
+            s.rate = self.forget * s.rate + (1 - self.forget) * (n + 1) / cost
+            if s.rate < 1.0:  # drafting did not pay: plain steps, twice as many each time it fails again
+                s.plain_left, s.backoff = s.backoff, min(2 * s.backoff, 16)
+            else:
+                s.backoff = 1
+
+
+def chain_keep(conf, rho, costs):
+    """Drafts each row verifies [b]: draft k while c_1 * .. * c_k >= rho * (V(k + 1) - V(k)) holds for every
+    slot up to k. conf [b, n] (c_k reads the drafts before slot k only), rho [b] the rows' rates."""
+    n = conf.shape[1]
+    verify = torch.tensor([costs.V(w) for w in range(1, n + 2)], device=conf.device)
+    return (conf.float().cumprod(-1) >= rho[:, None] * (verify[1:] - verify[:-1])).long().cumprod(-1).sum(-1)
+
+
+class ReplayPolicy:
+    """The widths a trace recorded, step by step (check_trace replays a run of the auto policy with it)."""
+
+    def __init__(self, recorded):
+        self.recorded = recorded  # (request, step) -> that row's verified block (1: its anchor alone)
+        self.widths = []
+
+    def begin(self, requests, steps):
+        self.widths = [self.recorded.get((r, s), 1) for r, s in zip(requests, steps)]
+
+    def drafts(self, alive):
+        return max(self.widths) > 1
+
+    def cut_chain(self, conf):
+        return torch.tensor(self.widths, device=conf.device) - 1, max(self.widths)
+
+    def cut_tree(self, tree):
+        return max(self.widths) - 1
+
+    def end(self, alive, accepted, drafted):
+        pass
