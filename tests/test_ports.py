@@ -354,3 +354,29 @@ def test_speculators_selector_has_no_walk(spec):
     assert {"select", "score_candidates", "transition_scores"} <= set(vars(cls))
     assert not any(n in vars(cls) for n in ("walk", "propose", "decode", "generate"))
     assert not hasattr(spec.core.DFlash2DraftModel, "propose")
+
+
+@pytest.mark.slow
+def test_speculators_agrees_on_the_embedded_pair(spec):
+    """The embedded drafter over the embedded SmolLM2-135M target, float32: the target's own tapped
+    features of a chat prompt, blocks anchored at four of its tokens (contexts far inside the 2048
+    window). Every stage agrees within float32 rounding, and the selector's greedy path too."""
+    from dflash2.pair import encode_prompt, load_pair
+
+    pair = load_pair(None, None, "cpu", torch.float32, draft_dtype=torch.float32, prepack=False)
+    ours, lm = pair.drafter, pair.target.model
+    taps = ours.config.target_layer_ids
+    ids = torch.tensor([encode_prompt(pair.tokenizer, "Natalia sold clips to 48 of her friends in April, and "
+                                      "then she sold half as many clips in May. How many clips did she sell?")])
+    with torch.no_grad():
+        out = lm(input_ids=ids, output_hidden_states=True)
+    features = torch.cat([out.hidden_states[l + 1] for l in taps], dim=-1)
+    embed, head = lm.get_input_embeddings().weight.detach(), lm.get_output_embeddings().weight.detach()
+    theirs = their_model(spec, ours, embed, head)
+    T, B = ids.shape[1], ours.config.block_size
+    anchors = [5, T // 3, T // 2, T - B - 1]
+    a, b = our_stages(ours, features, ids, anchors, embed, head), their_stages(theirs, features, ids, anchors)
+    torch.testing.assert_close(a.ctx, b.ctx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.h, b.h, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(a.U, b.U, rtol=1e-4, atol=1e-4)
+    assert_selector_agrees(ours, theirs, a.h, a.U, ids, anchors)
