@@ -380,3 +380,231 @@ def test_speculators_agrees_on_the_embedded_pair(spec):
     torch.testing.assert_close(a.h, b.h, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(a.U, b.U, rtol=1e-4, atol=1e-4)
     assert_selector_agrees(ours, theirs, a.h, a.U, ids, anchors)
+
+
+# --- planted port bugs: --check-trace names the first divergent step, slot and field ---
+# Each case plants one difference found above, or one class of bug reported in ports, into our drafter or
+# loop (monkeypatched for the run that writes the trace only), then replays the trace with check_trace.
+
+
+def golden_prompts():
+    from transformers import AutoTokenizer
+
+    from dflash2.pair import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(GOLDEN / "target")
+    return [encode_prompt(tok, p) for p in ("the time of day", "what is it that we can make", "long")]
+
+
+def golden_draft(tmp_path, **edits):
+    """The golden drafter, its config.json edited (dflash_config keys go inside it; None deletes a key)."""
+    draft = tmp_path / "draft"
+    draft.mkdir(exist_ok=True)
+    for f in (GOLDEN / "draft").iterdir():
+        draft.joinpath(f.name).write_bytes(f.read_bytes())
+    config = json.loads((draft / "config.json").read_text())
+    for key, value in edits.items():
+        where = config["dflash_config"] if key in DFlash2Config.DFLASH_KEYS else config
+        if value is None:
+            del where[key]
+        else:
+            where[key] = value
+    (draft / "config.json").write_text(json.dumps(config))
+    return draft
+
+
+def write_trace(path, draft, on_pair=None, **settings):
+    """A trace of the golden prompts as one ragged batch (the one place this file runs the loop), written
+    by our loop with whatever the caller planted; on_pair(pair) may change the loaded pair first."""
+    from dflash2.pair import load_pair, stop_token_ids
+    from dflash2.trace import run
+
+    pair = load_pair(str(GOLDEN / "target"), str(draft), torch.device("cpu"), torch.float32)
+    if on_pair is not None:
+        on_pair(pair)
+    full = dict(method="dflash2", max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                stop_ids=stop_token_ids(pair.target.model, pair.tokenizer), block_size=pair.drafter.config.block_size)
+    full.update(settings)
+    run(pair, golden_prompts(), full, trace_path=path)
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def divergence(tmp_path, draft, plant, on_pair=None, **settings):
+    """check_trace's line for a trace written with `plant` applied."""
+    with pytest.MonkeyPatch.context() as mp:
+        plant(mp)
+        write_trace(tmp_path / "port.jsonl", draft, on_pair, **settings)
+    agree, line = check_trace(tmp_path / "port.jsonl", str(GOLDEN / "target"), str(draft))
+    assert not agree, line
+    return line
+
+
+def first_step(records, where):
+    """'request r step s' of the first step record (file order) for which where(record) holds."""
+    r = next(r for r in records if r["type"] == "step" and where(r))
+    return f"request {r['request']} step {r['step']} "
+
+
+def plant_no_anchor(mp):
+    """hipfire #483: the block is [MASK x B], the anchor missing from slot 0."""
+    embed_block = DFlash2Drafter.embed_block
+
+    def masked(self, anchor_ids, embed_tokens, block_size=None):
+        return embed_block(self, torch.full_like(anchor_ids, self.config.mask_token_id), embed_tokens, block_size)
+    mp.setattr(DFlash2Drafter, "embed_block", masked)
+
+
+def test_planted_missing_anchor_is_named_at_step_1_slot_1(tmp_path):
+    line = divergence(tmp_path, GOLDEN / "draft", plant_no_anchor)
+    assert line.startswith("divergence: request 0 step 1 slot 1 field candidates"), line
+
+
+class _SharedNoise:
+    """vLLM #54282: the uniforms that drew the walk's drafts are reused as the acceptance uniforms. The
+    walk's sample_index records its uniforms; the loop's next torch.rand of shape [b, B-1] returns them."""
+
+    def __init__(self, mp):
+        from dflash2.verify import sample_from
+
+        self.used = []
+
+        def sample_index(probs, generator=None):
+            u = torch.rand(probs.shape[:-1], generator=generator, device=probs.device)
+            self.used.append(u)
+            return sample_from(probs, u)
+
+        mp.setattr(ours_model, "sample_index", sample_index)
+        mp.setattr(sd, "torch", self)
+
+    def rand(self, *size, **kwargs):
+        if self.used and len(size) == 2 and tuple(size) == (self.used[0].shape[0], len(self.used)):
+            u, self.used = torch.stack(self.used, 1), []
+            return u
+        self.used = []
+        return torch.rand(*size, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def test_planted_shared_noise_is_named_at_the_first_acceptance_uniform(tmp_path):
+    line = divergence(tmp_path, GOLDEN / "draft", _SharedNoise, temperature=0.8)
+    assert line.startswith("divergence: request 0 step 1 slot 1 field u_accept"), line
+
+
+def test_planted_zero_probability_acceptance_at_u_0_is_named_at_num_accepted():
+    """SGLang #35771: accept d when u <= P(d)/q(d), so u = 0 accepts a token the target gives probability 0.
+    A replay draws its own uniforms, so a trace reaches this only when u = 0 is drawn (2^-24 per float32
+    draw); given the same uniforms, the checker names the step's num_accepted."""
+    from dflash2.verify import acceptance_probability, verify_sampled
+
+    V = 5
+    p = torch.tensor([[[0.0, 0.5, 0.5, 0.0, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]]])  # P_0(d_1 = 0) = 0
+    q = torch.zeros(1, 1, V)
+    q[0, 0, 0] = 1.0
+    drafts, u_accept, u_emit = torch.tensor([[0]]), torch.zeros(1, 1), torch.tensor([0.3])
+    a, out = verify_sampled(drafts, q, p, u_accept, u_emit)
+    assert a.tolist() == [0]  # the reference: u < alpha, and 0 < 0 is false
+    alpha = acceptance_probability(p[0, 0, 0], q[0, 0, 0])
+    planted_accepts = bool(u_accept[0, 0] <= alpha)
+    assert planted_accepts
+
+    def record(num_accepted, emitted):
+        return step_record(request=0, step=1, anchor_pos=3, anchor=1, drafts=[0], candidates=[[0]], cand_logits=[[1.0]],
+                           q=[[1.0]], q_draft=[1.0], target_argmax=[1, 0], u_accept=[0.0], u_emit=0.3,
+                           num_accepted=num_accepted, out=emitted)
+    ref = [record(0, out[0, :1].tolist())]
+    port = [record(1, [0, int(torch.multinomial(p[0, 1], 1))])]
+    assert compare_traces(ref, port, 1e-4) == "request 0 step 1 field num_accepted: reference 0 vs trace 1"
+
+
+def test_planted_off_by_one_taps_are_named_at_step_1(tmp_path):
+    """One way to the acceptance-length gaps of z-lab/dflash #170: features from hidden_states[l] (the
+    input of layer l, speculators' and SGLang's capture point) read with our ids, which mean the output
+    of layer l. Planted by shifting the target's tap ids down by one."""
+    def shift(pair):
+        pair.target.layer_ids = [l - 1 for l in pair.target.layer_ids]
+    line = divergence(tmp_path, GOLDEN / "draft", lambda mp: None, on_pair=shift)
+    assert line.startswith("divergence: request 0 step 1 slot 1 field candidates"), line
+
+
+def test_planted_speculators_window_is_named_where_the_context_first_reaches_w(tmp_path):
+    W = json.loads((GOLDEN / "draft" / "config.json").read_text())["sliding_window"]
+    good = write_trace(tmp_path / "good.jsonl", GOLDEN / "draft")
+    line = divergence(tmp_path, GOLDEN / "draft",
+                      lambda mp: mp.setattr(ours_model, "attention_mask", speculators_window_mask))
+    # the masks differ once a block slot p + t >= W: ours then drops context key p + t - W, theirs keeps p - W..
+    assert line.startswith("divergence: " + first_step(good, lambda r: r["anchor_pos"] + len(r["drafts"]) >= W)), line
+    assert " slot " in line and " field cand" in line, line
+
+
+@pytest.mark.parametrize("edits", [dict(is_causal=True), dict(is_causal=None)])
+def test_planted_bidirectional_layers_are_named_at_step_1(tmp_path, edits):
+    """speculators (and SGLang without layer_types) run a bidirectional block whatever is_causal says."""
+    draft = golden_draft(tmp_path, **edits)
+    line = divergence(tmp_path, draft, lambda mp: mp.setattr(DFlash2Config, "layer_causal", lambda self, i: False))
+    assert line.startswith("divergence: request 0 step 1 slot 1 field cand"), line
+
+
+def test_planted_ignored_embedding_scale_is_named_at_step_1(tmp_path):
+    """speculators, SGLang and vLLM's beam model embed the block without input_embedding_scale."""
+    draft = golden_draft(tmp_path, input_embedding_scale=1.5)
+    embed_block = DFlash2Drafter.embed_block
+
+    def unscaled(self, anchor_ids, embed_tokens, block_size=None):
+        return embed_block(self, anchor_ids, embed_tokens, block_size) / self.config.input_embedding_scale
+    line = divergence(tmp_path, draft, lambda mp: mp.setattr(DFlash2Drafter, "embed_block", unscaled))
+    assert line.startswith("divergence: request 0 step 1 slot 1 field cand"), line
+
+
+def test_planted_ignored_output_multiplier_and_softcap_are_named_at_the_first_logit(tmp_path):
+    """speculators and vLLM's beam model (multiplier) leave the draft logits unscaled: the candidates keep
+    their order (both maps are increasing), their logits do not."""
+    draft = golden_draft(tmp_path, output_multiplier=0.5, final_logit_softcapping=5.0)
+
+    def plain_logits(self, h, lm_head):
+        head = getattr(lm_head, "weight", lm_head)
+        return torch.nn.functional.linear(h.reshape(-1, h.shape[-1]).to(head.dtype), head).float().view(*h.shape[:-1], -1)
+    line = divergence(tmp_path, draft, lambda mp: mp.setattr(DFlash2Drafter, "draft_logits", plain_logits))
+    assert line.startswith("divergence: request 0 step 1 slot 1 field cand_logits[0]"), line
+
+
+def test_planted_bf16_selector_sum_is_named_at_q(tmp_path):
+    """speculators adds unary and bilinear scores in the logits' dtype; with bf16 logits the sampled walk's
+    proposal rows q move by a bf16 rounding of S (planted: S rounded to bf16)."""
+    edge_scores = CandidateSelector.edge_scores
+
+    def rounded(self, h, U, cand_ids, anchor_ids):
+        return edge_scores(self, h, U, cand_ids, anchor_ids).bfloat16().float()
+    line = divergence(tmp_path, GOLDEN / "draft", lambda mp: mp.setattr(CandidateSelector, "edge_scores", rounded),
+                         temperature=0.8)
+    assert line.startswith("divergence: request 0 step 1 slot 1 field q"), line
+
+
+def test_planted_flat_index_convolution_is_named_at_the_second_row(tmp_path):
+    """speculators (and vLLM's qwen3_dflash2 conv) zero taps by flat row % block_size with the model's
+    block size. Run with blocks shorter than the drafter's (block_size 4 of 6), row 1's slot 0 takes
+    row 0's last slot: request 0 agrees, request 1 is named at its first step."""
+    def flat_conv(z, coef, B=6):
+        b, T, H = z.shape
+        flat, c = z.reshape(b * T, H), coef.reshape(b * T, *coef.shape[2:])
+        slot = torch.arange(b * T) % B
+        out = c[:, 0] * flat
+        for j in range(1, c.shape[1]):
+            out = out + c[:, j] * torch.nn.functional.pad(flat, (0, 0, j, 0))[: b * T] * (slot >= j)[:, None]
+        return out.view(b, T, H)
+    line = divergence(tmp_path, GOLDEN / "draft", lambda mp: mp.setattr(DynamicConv, "conv", staticmethod(flat_conv)),
+                         block_size=4)
+    assert line.startswith("divergence: request 1 step 1 slot "), line
+
+
+def test_planted_greedy_walk_at_temperature_is_named_at_step_1(tmp_path):
+    """vLLM's default draft_sample_method 'greedy': the walk takes argmax at every temperature (lossless,
+    with one-hot q, but not the authors' sampled walk). The first sampled step shows it."""
+    walk = CandidateSelector.walk
+
+    def greedy(self, S, cand_ids, temperature=0.0, generator=None):
+        return walk(self, S, cand_ids, 0.0, generator)
+    line = divergence(tmp_path, GOLDEN / "draft", lambda mp: mp.setattr(CandidateSelector, "walk", greedy),
+                         temperature=0.8)
+    assert line.startswith("divergence: request 0 step 1 slot 1 field "), line
