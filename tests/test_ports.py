@@ -15,7 +15,6 @@ The second half plants each difference, and the four classes of port bug reporte
 copy of our loop or drafter and shows that --check-trace (dflash2.trace.check_trace) names the first
 divergent step, slot and field.
 """
-import contextlib
 import dataclasses
 import importlib
 import importlib.util
