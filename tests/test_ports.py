@@ -31,6 +31,7 @@ from dflash2 import model as ours_model
 from dflash2 import spec_decode as sd
 from dflash2.checkpoint import DFlash2Config
 from dflash2.model import CandidateSelector, DFlash2Drafter, DynamicConv
+from dflash2.settings import DecodeSettings
 from dflash2.trace import check_trace, compare_traces, step_record
 from targets import tiny_glm_config
 
@@ -421,10 +422,9 @@ def write_trace(path, draft, on_pair=None, **settings):
     pair = load_pair(str(GOLDEN / "target"), str(draft), torch.device("cpu"), torch.float32)
     if on_pair is not None:
         on_pair(pair)
-    full = dict(method="dflash2", max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-                stop_ids=stop_token_ids(pair.target.model, pair.tokenizer), block_size=pair.drafter.config.block_size)
-    full.update(settings)
-    run(pair, golden_prompts(), full, trace_path=path)
+    full = DecodeSettings(max_new_tokens=12, stop_ids=stop_token_ids(pair.target.model, pair.tokenizer),
+                          block_size=pair.drafter.config.block_size)
+    run(pair, golden_prompts(), dataclasses.replace(full, **settings), trace_path=path)
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
