@@ -249,7 +249,7 @@ class DSparkDrafter(nn.Module):
     def confidence_logits(self, h, prev_ids):
         """c_k = proj([h_k, W1[prev_k]]) [b, T] float32 (or proj(h_k) without the Markov input); None
         without a head. sigma(c_k) estimates the acceptance of slot k's draft; it reads the previous
-        token, never the slot's own draft, so a cut on it is a stopping rule (SPEC §10)."""
+        token, never the slot's own draft, so a cut on it is a stopping rule (lossless, docs/DSPARK.md)."""
         if self.confidence_head is None:
             return None
         x = h
