@@ -1,0 +1,177 @@
+"""The DSpark drafter agrees with DeepSpec (deepseek-ai/DeepSpec, the authors' code): it loads the
+checkpoint DeepSpec saved and computes the hidden states, Markov logits, drafts, proposals q,
+confidences and confidence cuts that DeepSpec's own eval code computed with it
+(tests/fixtures/dspark, written by tests/make_dspark_fixture.py; DeepSpec is not on PyPI)."""
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash2.dspark import (DSparkConfig, DSparkDrafter, confident_prefix, dspark_logits, dspark_walk, load_dspark,
+                            walk_prev_ids)
+from dflash2.model import DraftContext
+from dflash2.verify import verify_sampled
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "dspark"
+META = json.loads((FIXTURE / "meta.json").read_text())
+EXPECTED = load_file(FIXTURE / "expected.safetensors")
+CASES = range(len(META["cases"]))
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return load_dspark(FIXTURE, dtype=torch.float64)
+
+
+def expected(name):
+    """One fixture tensor for both cases, stacked on a batch axis."""
+    return torch.stack([EXPECTED[f"case{i}.{name}"] for i in CASES])
+
+
+def block_hidden(drafter):
+    """Both fixture blocks in one batch: contexts of different lengths in one DraftContext."""
+    lengths = torch.tensor([c["context_length"] for c in META["cases"]])
+    S = int(lengths.max())
+    feats = torch.zeros(len(lengths), S, EXPECTED["case0.target_hidden"].shape[-1], dtype=torch.float64)
+    for i in CASES:
+        feats[i, : lengths[i]] = EXPECTED[f"case{i}.target_hidden"]
+    ctx = DraftContext(drafter, len(lengths), S, "cpu")
+    ctx.write(feats, torch.arange(S).expand(len(lengths), S))
+    anchors = torch.tensor([c["anchor"] for c in META["cases"]])
+    B = drafter.config.block_size
+    embeds = drafter.embed_block(anchors, drafter.embed_tokens, B)
+    h = drafter(embeds, lengths[:, None] + torch.arange(B), ctx.view(S), torch.arange(S) < lengths[:, None])
+    return h, anchors
+
+
+def test_reads_deepspec_config():
+    d = json.loads((FIXTURE / "config.json").read_text())
+    cfg = DSparkConfig.from_dict(d)
+    assert (cfg.block_size, cfg.markov_rank, cfg.markov_head_type) == (d["block_size"], 8, "vanilla")
+    assert cfg.enable_confidence_head and cfg.confidence_head_with_markov
+    assert cfg.target_layer_ids == d["target_layer_ids"] and cfg.mask_token_id == d["mask_token_id"]
+    assert not any(cfg.layer_causal(i) for i in range(cfg.num_hidden_layers))
+    for key in DSparkConfig.REQUIRED:
+        with pytest.raises(ValueError, match=key):
+            DSparkConfig.from_dict({k: v for k, v in d.items() if k != key})
+
+
+def test_loads_every_tensor_of_the_deepspec_checkpoint(drafter):
+    names = set(load_file(FIXTURE / "model.safetensors"))
+    assert set(drafter.state_dict()) == names
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+            "confidence_head.proj.bias", "embed_tokens.weight", "lm_head.weight"} <= names
+
+
+def test_hidden_states_match_deepspec(drafter):
+    h, _ = block_hidden(drafter)
+    torch.testing.assert_close(h, expected("hidden"), rtol=0, atol=1e-6)
+
+
+def test_markov_logits_match_deepspec(drafter):
+    h, anchors = block_hidden(drafter)
+    z = dspark_logits(drafter, h, walk_prev_ids(anchors, expected("greedy_drafts")))
+    torch.testing.assert_close(z, expected("greedy_logits").float(), rtol=0, atol=1e-5)
+
+
+def test_greedy_walk_matches_deepspec(drafter):
+    h, anchors = block_hidden(drafter)
+    drafts, q = dspark_walk(drafter, h, anchors)
+    assert drafts.shape == (len(CASES), drafter.config.block_size)  # every slot proposes: B drafts per block
+    assert torch.equal(drafts, expected("greedy_drafts"))
+    assert torch.equal(q, expected("greedy_q"))
+
+
+def test_sampled_proposal_matches_deepspec(drafter):
+    """DeepSpec draws with torch.multinomial, we with one uniform per slot, so the draws differ; given
+    DeepSpec's drafts, our q (softmax(z / T) at every slot) must equal the q it verified with."""
+    h, anchors = block_hidden(drafter)
+    T = META["temperature"]
+    z = dspark_logits(drafter, h, walk_prev_ids(anchors, expected("sampled_drafts")))
+    torch.testing.assert_close(torch.softmax(z / T, dim=-1), expected("sampled_q"), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("walk", ["greedy", "sampled"])
+def test_confidence_matches_deepspec(drafter, walk):
+    h, anchors = block_hidden(drafter)
+    conf = drafter.confidence_logits(h, walk_prev_ids(anchors, expected(f"{walk}_drafts")))
+    torch.testing.assert_close(conf, expected(f"{walk}_confidence"), rtol=0, atol=1e-5)
+
+
+def test_confidence_cut_matches_deepspec(drafter):
+    h, anchors = block_hidden(drafter)
+    drafts, _ = dspark_walk(drafter, h, anchors)
+    conf = drafter.confidence_logits(h, walk_prev_ids(anchors, drafts))
+    B = drafter.config.block_size
+    for j, threshold in enumerate(META["thresholds"]):
+        cut = confident_prefix(conf, threshold)
+        got = torch.full((len(CASES),), B) if cut is None else cut
+        assert torch.equal(got, expected("greedy_cut")[:, j]), threshold
+
+
+def test_drafting_from_slots_1_to_B_minus_1_is_detected(drafter):
+    """specforge 0.2.0's spec_generate drafts from slots 1..B-1 with the anchor as slot 1's predecessor,
+    although its training makes slot 0 predict the token after the anchor. The comparison catches it."""
+    h, anchors = block_hidden(drafter)
+    drafts, q = dspark_walk(drafter, h[:, 1:], anchors)
+    ref_drafts, ref_q = expected("greedy_drafts")[:, : drafts.shape[1]], expected("greedy_q")[:, : drafts.shape[1]]
+    assert not torch.equal(drafts, ref_drafts)
+    assert not torch.allclose(q, ref_q)
+
+
+def test_sampled_walk_draws_each_draft_from_its_q(drafter):
+    """Every draft has mass under the q returned for it, and q is softmax(z / T) of the walk's own path."""
+    h, anchors = block_hidden(drafter)
+    T = 0.9
+    drafts, q = dspark_walk(drafter, h, anchors, temperature=T, generator=torch.Generator().manual_seed(3))
+    assert (q.gather(-1, drafts[..., None]) > 0).all()
+    z = dspark_logits(drafter, h, walk_prev_ids(anchors, drafts))
+    torch.testing.assert_close(q, torch.softmax(z / T, dim=-1))
+    torch.testing.assert_close(q.sum(-1), torch.ones(q.shape[:2]))
+
+
+def test_round_trip_with_and_without_embedding_copies(drafter, tmp_path):
+    h, anchors = block_hidden(drafter)
+    drafter.save_pretrained(tmp_path / "full")
+    again = DSparkDrafter.from_pretrained(tmp_path / "full", dtype=torch.float64)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in drafter.state_dict().items())
+    read = DSparkConfig.from_dict(json.loads((tmp_path / "full" / "config.json").read_text()))
+    assert read == dataclasses.replace(drafter.config, dtype="float64")
+
+    drafter.save_pretrained(tmp_path / "shared", with_embeddings=False)
+    shared = load_dspark(tmp_path / "shared", dtype=torch.float64)
+    assert not shared.own_embeddings and "lm_head.weight" not in load_file(tmp_path / "shared" / "model.safetensors")
+    embeds = shared.embed_block(anchors, drafter.embed_tokens)  # the target's tables, passed in
+    assert torch.equal(embeds, drafter.embed_block(anchors, drafter.embed_tokens))
+    drafts, q = dspark_walk(shared, h, anchors, lm_head=drafter.lm_head.weight)
+    assert torch.equal(drafts, expected("greedy_drafts")) and torch.equal(q, expected("greedy_q"))
+
+
+def test_a_checkpoint_with_one_copy_only_is_refused(drafter, tmp_path):
+    from safetensors.torch import save_file
+
+    from dflash2.checkpoint import CheckpointError
+
+    drafter.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["lm_head.weight"]
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="embed_tokens"):
+        load_dspark(tmp_path)
+
+
+def test_verification_of_a_cut_block_accepts_only_the_kept_drafts(drafter):
+    """The walk's drafts and q go straight into verify_sampled; a confidence cut is its num_drafts."""
+    h, anchors = block_hidden(drafter)
+    drafts, q = dspark_walk(drafter, h, anchors, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    B, V = drafts.shape[1], q.shape[-1]
+    p = torch.zeros(len(CASES), B + 1, V)
+    p[:, :B] = q  # a target that agrees with the drafter accepts every verified draft
+    p[:, B, 0] = 1.0
+    num_drafts = torch.tensor([2, B])
+    accepted, out = verify_sampled(drafts, q, p, torch.rand(len(CASES), B), torch.rand(len(CASES)), num_drafts)
+    assert accepted.tolist() == [2, B]
+    assert torch.equal(out[1, :B], drafts[1])
