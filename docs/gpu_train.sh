@@ -5,6 +5,7 @@
 #   here:        docs/gpu_train.sh pack          the target's GGUF, the gguf package and the benchmark data, as one
 #                                                payload cut into runs/gpu/1 .. runs/gpu/N, each small enough to carry
 #   the device:  docs/gpu_train.sh stash K       calls 1 .. N-1 (carry runs/gpu/K): keep part K on the warm machine
+#                (docs/gpu_check.sh N joins the same payload and checks the GPU paths instead of training)
 #                docs/gpu_train.sh train N       the last call (carry runs/gpu/N): join, check, run, put the drafter
 #                                                in $OUT in parts under 16 MiB
 #   here:        docs/gpu_train.sh unpack SRC DEST   join the drafter's parts from SRC into DEST/drafter, check them
@@ -62,7 +63,7 @@ stash() {  # keep a carried part where the next call finds it (the machine stays
   echo "part $1 kept in $STASH: $(ls "$STASH" | tr '\n' ' ')"
 }
 
-train() {
+join() {  # keep the last part, check that all N are here, join and unpack them into $STASH/x
   stash "$1"
   local n
   n=$(ls "$STASH"/payload.part-* | wc -l)
@@ -71,6 +72,10 @@ train() {
     exit 2
   fi
   (cd "$STASH" && cat payload.part-* > payload.tar && sha256sum -c payload.sha256 && mkdir -p x && tar -xf payload.tar -C x)
+}
+
+train() {
+  join "$1"
   export PYTHONPATH="$STASH/x/site${PYTHONPATH:+:$PYTHONPATH}" DFLASH2_CACHE="$STASH/cache" PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1  # no network there
   local run="$STASH/run" out=${OUT:-$STASH/out} status=0
@@ -99,6 +104,6 @@ unpack() {  # SRC: the files the last call brought back; DEST: where the run goe
 }
 
 case "${1:-}" in
-  pack | stash | train | unpack) "$@" ;;
-  *) echo "usage: docs/gpu_train.sh pack | stash K | train N | unpack SRC DEST (got: ${1:-nothing})" >&2; exit 2 ;;
+  pack | stash | join | train | unpack) "$@" ;;
+  *) echo "usage: docs/gpu_train.sh pack | stash K | join N | train N | unpack SRC DEST (got: ${1:-nothing})" >&2; exit 2 ;;
 esac

@@ -185,3 +185,27 @@ def test_embedded_pair_on_an_avx2_cpu(monkeypatch, capsys):
     assert rc == 0, err
     report = json.loads(out)
     assert report["identical"] is True and report["draft_dtype"] == "float32"
+
+
+def test_gpu_check_script_rehearses_on_the_cpu(bf16_pair, tmp_path):
+    """docs/gpu_check.sh, rehearsed on the CPU with the tiny pair: every check it names runs with a time limit and
+    lands in one JSON under 1 MiB; what a CPU cannot run (FA4) is recorded with its one-line error, not lost."""
+    from test_bench import write_tiny_data
+
+    target_dir, draft_dir = bf16_pair
+    write_tiny_data(tmp_path / "data")
+    env = dict(os.environ, NO_JOIN="1", DEVICE="cpu", TARGET=str(target_dir), DRAFT=str(draft_dir),
+               DATA_DIR=str(tmp_path / "data"), OUT=str(tmp_path / "out"), STASH=str(tmp_path / "stash"),
+               PYTHON=sys.executable, CHECKS="cli_flash,cli_tree32,bench", BUDGET_S="200", OMP_NUM_THREADS="1")
+    done = subprocess.run(["bash", "docs/gpu_check.sh", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    text = (tmp_path / "out" / "gpu_check.json").read_text()
+    report = json.loads(text)
+    assert len(text) < 1 << 20 and report["device"] == "cpu" and list(report["checks"]) == ["cli_flash", "cli_tree32", "bench"]
+    flash, tree, cells = (report["checks"][n] for n in ("cli_flash", "cli_tree32", "bench"))
+    assert flash["rc"] == 2 and "attention backend 'flash' cannot run on cpu" in flash["stderr_tail"]
+    assert tree["rc"] == 0 and tree["report"]["identical"] is True and tree["report"]["method"] == "dflash2-tree"
+    assert cells["rc"] == 0 and {(r["method"], r["concurrency"]) for r in cells["results"]} == {
+        (m, c) for m in ("ar", "dflash2", "dflash2-tree") for c in (1, 8)}
+    assert all(r["identical_to_ar"] for r in cells["results"])
