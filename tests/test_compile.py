@@ -5,7 +5,7 @@ from torch._dynamo.utils import counters
 
 from dflash2 import kernels
 from dflash2 import spec_decode as sd
-from dflash2.target import Target
+from dflash2.target import Target, install_output_hooks
 from targets import reference_greedy, tiny_drafter, tiny_target
 
 
