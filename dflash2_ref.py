@@ -227,6 +227,14 @@ def decode_main(args):
         sd.compile_core(pair.target, pair.drafter)
         settings = dataclasses.replace(settings, static=True)
 
+    if settings.policy == "auto":  # this machine's costs, measured once (cached), before anything is timed
+        from dflash2.policy import cost_key, costs_for
+        from dflash2.settings import cache_dir
+
+        if not args.json and cost_key(pair.target, pair.drafter) not in costs_file_keys(cache_dir() / "costs.json"):
+            print("[policy] measuring this machine's verify and draft costs once (a few seconds; cached in "
+                  f"{cache_dir() / 'costs.json'})", file=sys.stderr)
+        costs_for(pair.target, pair.drafter, sd.measure_costs, cache_dir() / "costs.json")
     stream = None if args.json else Stream(pair.tokenizer, sys.stdout)
     (res,), seconds, ttft = run(pair, [prompt], settings, on_emit=stream, trace_path=args.trace)
     text_out = pair.tokenizer.decode(res.tokens, skip_special_tokens=True)
@@ -235,7 +243,8 @@ def decode_main(args):
                   tokens_per_s=len(res.tokens) / seconds, prefill_ms=ttft * 1000,
                   target=pair.target_id, draft=pair.draft_id, dtype=dtype_name(pair.dtype),
                   draft_dtype=None if pair.drafter is None else dtype_name(next(pair.drafter.parameters()).dtype),
-                  draft_dtype_reason=pair.draft_dtype_reason, machine=machine().describe())
+                  draft_dtype_reason=pair.draft_dtype_reason, machine=machine().describe(),
+                  policy=settings.policy, widths=sd.width_shares([res]))
     if stream is not None:
         stream.show(text_out, final=True)
         print(flush=True)
@@ -271,7 +280,18 @@ def stats_line(report):
             f"tokens_per_s {report['tokens_per_s']:.1f}, prefill_ms {report['prefill_ms']:.0f}")
     if report.get("draft_dtype"):
         line += f"\n[{report['method']}] draft_dtype {report['draft_dtype']} ({report['draft_dtype_reason']}); {report['machine']}"
+    if report.get("policy") == "auto":
+        shares = ", ".join(f"{w}: {s:.2f}" for w, s in report["widths"].items())
+        line += f"\n[{report['method']}] policy auto; verified block per step (1 = plain), share of steps: {shares}"
     return line
+
+
+def costs_file_keys(path):
+    """The cost keys a costs cache file holds (none if it is missing or unreadable)."""
+    try:
+        return {v.get("key") for v in json.loads(path.read_text()).values()}
+    except (OSError, ValueError, AttributeError):
+        return set()
 
 
 def dtype_name(dtype):

@@ -29,8 +29,9 @@ from .kernels import check_attn_backend, prepack_linears
 from .model import DFlash2Drafter
 from .pair import load_target, stop_token_ids
 from .prompts import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
-from .settings import DEFAULT_DRAFT, METHODS, TREE_SCORES, DecodeSettings, HelpFormatter
-from .spec_decode import Result, compile_core, generate
+from .policy import costs_for
+from .settings import DEFAULT_DRAFT, METHODS, TREE_SCORES, DecodeSettings, HelpFormatter, cache_dir
+from .spec_decode import Result, compile_core, generate, width_shares
 from .target import Target
 
 # task: (file under --data-dir, hub (path, config, split), the prompt text of one row)
@@ -222,11 +223,6 @@ def method_settings(label, args, stop_ids=(), **fields):
                        policy="fixed" if width else args.policy)
     return dataclasses.replace(s, **fields)
 
-
-def width_shares(results):
-    """{verified block (anchor included; 1 = a plain step): share of the decode steps}, over all requests."""
-    widths = [w for r in results for w in r.widths]
-    return {w: round(widths.count(w) / len(widths), 3) for w in sorted(set(widths))} if widths else {}
 
 
 def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, desc, timings=None):
@@ -735,6 +731,15 @@ def main(argv=None):
 
     # Untimed warm-up of every method, so one-time costs (allocator, kernels, compilation) are billed to no one.
     first = next(iter(prompts.values()))[0]
+    if drafter is not None and args.policy == "auto":  # this machine's costs, measured once, before any timing
+        costs = costs_for(target, drafter, spec_decode.measure_costs, cache_dir() / "costs.json")
+        args.costs = dict(verify={w: round(costs.V(w), 3) for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)},
+                          draft=round(costs.draft, 3), draft_tree=round(costs.draft_tree, 3),
+                          one_token_forward_ms=round(costs.ms_per_token, 2))
+        print("policy costs (units of a one-token forward): verify " +
+              ", ".join(f"V({w}) {v}" for w, v in args.costs["verify"].items()) +
+              f"; draft {args.costs['draft']}, tree draft {args.costs['draft_tree']}; "
+              f"V(1) = {args.costs['one_token_forward_ms']} ms", flush=True)
     # Compiled runs warm up at the real length: static cache shapes depend on it.
     for m in args.methods:
         if m in PEERS:

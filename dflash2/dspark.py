@@ -11,7 +11,6 @@ from typing import ClassVar
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .checkpoint import check_state_dict, read_json, read_safetensors, resolve_checkpoint
 from .model import MLP, Attention, DFlash2Drafter, RMSNorm

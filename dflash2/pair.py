@@ -10,6 +10,7 @@ import torch
 from . import machine
 from .checkpoint import read_json, resolve_checkpoint
 from .kernels import prepack_linears
+from .dspark import ARCHITECTURE as DSPARK_ARCHITECTURE, DSparkDrafter
 from .model import DFlash2Drafter
 from .target import Target, fix_partial_rotary, text_config
 from .settings import DEFAULT_DRAFT, cache_dir, DEFAULT_TARGET, InputError, LoadError, is_hub_id, local_checkpoint, one_line
@@ -83,7 +84,8 @@ def load_pair(target_name=None, draft_name=None, device="cpu", dtype=torch.float
     drafter = reason = None
     if needs_draft:
         try:
-            drafter = DFlash2Drafter.from_pretrained(draft_dir, device, draft_dtype, attn_backend)
+            kind = DSparkDrafter if is_dspark(draft_dir) else DFlash2Drafter
+            drafter = kind.from_pretrained(draft_dir, device, draft_dtype, attn_backend)
         except Exception as e:  # CheckpointError, bad JSON, unreadable safetensors
             raise LoadError(f"cannot load drafter {draft_id}: {one_line(e)}") from e
         check_pair(lm, drafter)
@@ -93,6 +95,11 @@ def load_pair(target_name=None, draft_name=None, device="cpu", dtype=torch.float
             prepack_linears(drafter)
     target = Target(lm, drafter.config.target_layer_ids if drafter is not None else ())
     return Pair(tok, drafter, target, target_id, target_dir, draft_id, draft_dir, dtype, device, reason)
+
+
+def is_dspark(draft_dir):
+    """Whether a drafter checkpoint is DeepSpec's DSpark layout (config.json architectures), not DFlash 2's."""
+    return (read_json(Path(draft_dir) / "config.json").get("architectures") or [None])[0] == DSPARK_ARCHITECTURE
 
 
 def check_pair(lm, drafter):

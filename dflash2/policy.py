@@ -67,7 +67,8 @@ def cost_key(target, drafter):
              f"packed {target.prepacked}"]
     if drafter is not None:
         dc = drafter.config
-        parts += [f"draft {dc.hidden_size}x{dc.num_hidden_layers} B{dc.block_size} K{dc.selector_top_k}",
+        parts += [f"{type(drafter).__name__} {dc.hidden_size}x{dc.num_hidden_layers} B{dc.block_size} "
+                  f"K{getattr(dc, 'selector_top_k', 0)}",
                   str(next(drafter.parameters()).dtype)]
     return " | ".join(parts)
 

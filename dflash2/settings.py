@@ -5,7 +5,7 @@ import json
 import os
 from pathlib import Path
 
-METHODS = ("dflash2", "dflash", "ar", "dflash2-tree")
+METHODS = ("dflash2", "dflash", "ar", "dflash2-tree", "dspark")
 TREE_SCORES = ("selector", "marginal")  # dflash2-tree: the walk's conditional law, or DDTree's per-slot marginals
 # dflash2-tree's default node budget per device type: CPU from the budget sweep in docs/BENCHMARKS.md;
 # CUDA larger, where verifying 32 tokens costs about what 8 do (untested here: no GPU was lent).
@@ -185,7 +185,7 @@ class DecodeSettings:
         if self.method == "dflash2-tree":  # auto: the cap the policy chooses under
             budget = self.tree_budget or (AUTO_TREE_CAP if self.policy == "auto" else
                                           DEFAULT_TREE_BUDGET.get(device_type, DEFAULT_TREE_BUDGET["cuda"]))
-        policy = self.policy if self.method in ("dflash2", "dflash", "dflash2-tree") else "fixed"
+        policy = self.policy if self.method in ("dflash2", "dflash", "dflash2-tree", "dspark") else "fixed"
         return dataclasses.replace(self, block_size=block, tree_budget=budget, policy=policy)
 
     def asdict(self):

@@ -14,6 +14,7 @@ import torch
 
 from .kernels import check_attn_backend
 from .policy import COST_CONTEXT, COST_WIDTHS, TREE_BUDGETS, Costs, Policy, cost_key, costs_for, interpolate
+from .dspark import dspark_logits, dspark_walk, walk_prev_ids
 from .model import DraftContext, dflash1_walk
 from .settings import AUTO_TREE_CAP, DecodeSettings, InputError, SettingError, cache_dir
 from .target import SlotCache, install_output_hooks, text_config
@@ -37,6 +38,29 @@ def draft(drafter, target, ctx, anchor, pos, ctx_len, block_size, sizes=None):
     block_valid = None if sizes is None else torch.arange(block_size, device=pos.device) < sizes[:, None]
     h = drafter(embeds, block_pos, ctx.view(ctx_len), slots[None, :] < pos[:, None], block_valid=block_valid)[:, 1:]
     return h, drafter.draft_logits(h, target.lm_head_as(dtype))
+
+
+def draft_dspark(drafter, target, ctx, anchor, pos, ctx_len, block_size, sampling):
+    """DSpark (docs/DSPARK.md): the same block forward over [anchor, MASK x (B-1)], but every slot proposes: slot k
+    drafts the token at position pos + k + 1 by the Markov walk (dspark.dspark_walk). The block is never shrunk
+    (DeepSpec's loop); verification is cut instead. Returns drafts [b, B], q [b, B, V] and the confidence of each
+    slot [b, B]: sigma of the confidence head where the checkpoint has one (it reads h_k and the previous draft),
+    else the largest probability of the walk's law at T = 1 (also a function of the previous draft only)."""
+    block_pos = pos[:, None] + torch.arange(block_size, device=pos.device)
+    dtype = next(drafter.parameters()).dtype
+    head = drafter.lm_head if drafter.own_embeddings else target.lm_head_as(dtype)
+    embeds = drafter.embed_block(anchor, drafter.embed_tokens if drafter.own_embeddings else target.embed_tokens,
+                                 block_size).to(dtype)
+    slots = torch.arange(ctx_len, device=pos.device)
+    h = drafter(embeds, block_pos, ctx.view(ctx_len), slots[None, :] < pos[:, None])
+    drafts, q = dspark_walk(drafter, h, anchor, head, sampling.temperature, sampling.generator)
+    conf = drafter.confidence_logits(h, walk_prev_ids(anchor, drafts))
+    if conf is None:
+        prev = walk_prev_ids(anchor, drafts)
+        conf = dspark_logits(drafter, h, prev, head).softmax(-1).amax(-1)
+    else:
+        conf = conf.sigmoid()
+    return drafts, q, conf
 
 
 def block_sizes(end, pos, block_size):
@@ -134,6 +158,12 @@ class Result:
         return (len(self.tokens) - 1) / steps if steps > 0 else None
 
 
+def width_shares(results):
+    """{verified block (anchor included; 1 = a plain step): share of the decode steps}, over all results."""
+    widths = [w for r in results for w in r.widths]
+    return {w: round(widths.count(w) / len(widths), 3) for w in sorted(set(widths))} if widths else {}
+
+
 @dataclass
 class Sampling:
     """How tokens are chosen: greedy at temperature 0, else drawn from P (verify.process_logits)."""
@@ -225,12 +255,19 @@ def decode_step(target, drafter, rows, method, sampling, B, view_len, ctx_len, p
     tensors for a trace when traced (else None).
     """
     b, device = rows.anchor.shape[0], rows.anchor.device
+    cands, drafter_block = None, B
+    if method == "dspark" and B > 1:
+        B += 1  # every DSpark slot proposes: a block of B slots verifies the anchor and B drafts
     sizes = block_sizes(rows.end, rows.pos, B)
-    cands = None
     if B == 1:  # ar: the same loop with no drafts
         drafts, q = rows.anchor.new_zeros(b, 0), torch.zeros(b, 0, target.vocab_size, device=device)
     elif propose is not None:
         drafts, q = propose(rows.anchor, rows.pos)
+    elif method == "dspark":
+        drafts, q, conf = draft_dspark(drafter, target, rows.ctx, rows.anchor, rows.pos, ctx_len, drafter_block, sampling)
+        if cut is not None:  # its confidence head decides (a stopping rule: it reads the previous draft)
+            keep, B = cut(conf)
+            drafts, q, sizes = drafts[:, : B - 1], q[:, : B - 1], torch.minimum(sizes, keep + 1)
     else:
         h, U = draft(drafter, target, rows.ctx, rows.anchor, rows.pos, ctx_len, B, sizes)
         drafts, q, *cands = select_path(drafter.candidate_selector, h, U, rows.anchor, method,
@@ -335,8 +372,14 @@ def check_generate_args(target, drafter, prompts, settings, propose):
         # a tree's nodes, which sit in scratch slots, would not pick the blocks their path alone would.
         raise InputError("method 'dflash2-tree' needs a target with dense attention: block-sparse (MSA) layers "
                          "choose key blocks by cache slot, which tree verification moves (docs/SPEC_NOTES.md)")
+    if s.method == "dspark" and propose is None and not hasattr(drafter, "markov_head"):
+        raise SettingError("method", "'dspark' needs a DSpark drafter (DeepSpec's layout, docs/DSPARK.md); this one is "
+                                     f"a {type(drafter).__name__}")
+    if s.method in ("dflash2", "dflash", "dflash2-tree") and drafter is not None and hasattr(drafter, "markov_head"):
+        raise SettingError("method", f"{s.method!r} needs a DFlash 2 drafter; this one is a DSpark drafter "
+                                     "(use --method dspark)")
     B = s.block_size or 1
-    W = max(B, s.tree_budget + 1) if s.method == "dflash2-tree" else B
+    W = max(B, s.tree_budget + 1) if s.method == "dflash2-tree" else B + (s.method == "dspark")
     longest = max(len(p) for p in prompts)
     limit = getattr(cfg, "max_position_embeddings", None)
     if limit is not None and longest + s.max_new_tokens + W + 1 > limit:
@@ -536,7 +579,7 @@ def measure_costs(target, drafter, max_width=AUTO_TREE_CAP + 1, reps=3):
     one = seconds[1]
     draft_cost = tree_cost = 0.0
     if drafter is not None:
-        B, sel, anchor, p = drafter.config.block_size, drafter.candidate_selector, rows.anchor, rows.pos
+        B, sel, anchor, p = drafter.config.block_size, getattr(drafter, "candidate_selector", None), rows.anchor, rows.pos
 
         def chain():
             h, U = draft(drafter, target, rows.ctx, anchor, p, ctx, B)
@@ -547,6 +590,10 @@ def measure_costs(target, drafter, max_width=AUTO_TREE_CAP + 1, reps=3):
             h, U = draft(drafter, target, rows.ctx, anchor, p, ctx, B)
             select_tree(sel, h, U, anchor, TREE_BUDGETS[-1], "selector", torch.full_like(p, B - 1))
 
-        draft_cost, tree_cost = _best_time(chain, reps) / one, _best_time(tree, reps) / one
+        if hasattr(drafter, "markov_head"):  # DSpark: its walk and confidences; it has no tree
+            draft_cost = tree_cost = _best_time(lambda: draft_dspark(drafter, target, rows.ctx, anchor, p, ctx, B,
+                                                                     sampling), reps) / one
+        else:
+            draft_cost, tree_cost = _best_time(chain, reps) / one, _best_time(tree, reps) / one
     verify = list(itertools.accumulate(interpolate({w: t / one for w, t in seconds.items()}, W), max))  # never cheaper wider
     return Costs(verify, draft_cost, tree_cost, cost_key(target, drafter), one * 1000)

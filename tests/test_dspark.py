@@ -175,3 +175,85 @@ def test_verification_of_a_cut_block_accepts_only_the_kept_drafts(drafter):
     accepted, out = verify_sampled(drafts, q, p, torch.rand(len(CASES), B), torch.rand(len(CASES)), num_drafts)
     assert accepted.tolist() == [2, B]
     assert torch.equal(out[1, :B], drafts[1])
+
+
+# --- DSpark in the loop: generate, the policy's cut by its confidence head, the CLI and traces ---
+
+
+def tiny_dspark(target_model, block_size=4, head=True, seed=2):
+    """A random DSpark drafter shaped for a tiny target (vocab 64, hidden 32, 3 layers)."""
+    from dflash2.dspark import DSparkConfig
+
+    cfg = target_model.config
+    torch.manual_seed(seed)
+    config = DSparkConfig(hidden_size=cfg.hidden_size, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, vocab_size=cfg.vocab_size,
+                          num_target_layers=cfg.num_hidden_layers, target_layer_ids=[0, 1],
+                          mask_token_id=cfg.vocab_size - 1, block_size=block_size, markov_rank=8,
+                          markov_head_type="vanilla", enable_confidence_head=head, confidence_head_with_markov=head,
+                          dtype="float32")
+    return DSparkDrafter(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "minimax_m2"])
+@pytest.mark.parametrize("policy", ["fixed", "auto"])
+def test_dspark_greedy_matches_target(arch, policy):
+    from dflash2 import spec_decode as sd
+    from dflash2.policy import Costs, Policy
+    from dflash2.target import Target
+    from targets import reference_greedy, tiny_target
+
+    model = tiny_target(arch)
+    drafter = tiny_dspark(model)
+    target = Target(model, drafter.config.target_layer_ids)
+    prompts = [[1, 2, 3], list(range(5, 17)), [7]]
+    speculation = Policy(Costs([1 + 0.02 * w for w in range(40)], 0.2, 0.2), 4) if policy == "auto" else None
+    for max_batch in (None, 2):
+        results = sd.generate(target, drafter, prompts, method="dspark", max_new_tokens=20, max_batch=max_batch,
+                              policy=policy, speculation=speculation)
+        for prompt, res in zip(prompts, results):
+            assert res.tokens == reference_greedy(model, prompt, 20)
+            assert all(0 <= a <= 4 for a in res.accepted)  # a block of 4 slots verifies up to 4 drafts
+
+
+def test_dspark_sampling_loop_preserves_target_distribution():
+    """Monte Carlo through the real loop with the Markov walk's q (vocab 12, law of three tokens)."""
+    from dflash2.target import Target
+    from targets import tiny_target
+    from test_spec_decode import _loop_tv
+
+    model = tiny_target("llama", vocab=12, seed=3)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.25)
+    drafter = tiny_dspark(model, block_size=3)
+    target = Target(model, drafter.config.target_layer_ids)
+    results = []
+    tv, bound = _loop_tv(model, target, drafter, "dspark", rows=30000, n=3, results_out=results)
+    assert tv < bound, (tv, bound)
+    assert sum(sum(r.accepted) for r in results) > 0.05 * sum(len(r.accepted) for r in results)  # drafts accepted
+
+
+def test_dspark_runs_from_the_command_line_and_its_trace_replays(tmp_path, capsys):
+    import dflash2_ref
+    from test_cli import GOLDEN
+
+    from dflash2.pair import load_pair
+
+    pair = load_pair(str(GOLDEN / "target"), str(GOLDEN / "draft"))
+    tiny_dspark(pair.target.model).save_pretrained(tmp_path / "dspark")
+    argv = ["--target", str(GOLDEN / "target"), "--draft", str(tmp_path / "dspark"), "--method", "dspark",
+            "--prompt", "the time of day", "--max-new-tokens", "16"]
+    assert dflash2_ref.main(argv + ["--baseline", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical"] is True and report["method"] == "dspark"
+    for sampled in ([], ["--temperature", "0.8", "--seed", "3"]):
+        assert dflash2_ref.main(argv + sampled + ["--trace", str(tmp_path / "t.jsonl"), "--json"]) == 0
+        capsys.readouterr()
+        assert dflash2_ref.main(["--check-trace", str(tmp_path / "t.jsonl")]) == 0
+        assert capsys.readouterr().out.startswith("agree:")
+    # a DSpark drafter under another method, and the embedded DFlash 2 drafter under dspark: one clear line
+    assert dflash2_ref.main(argv[:4] + ["--method", "dflash2", "--prompt", "x"]) == 2
+    assert "needs a DFlash 2 drafter" in capsys.readouterr().err
+    assert dflash2_ref.main(["--target", str(GOLDEN / "target"), "--draft", str(GOLDEN / "draft"), "--method",
+                             "dspark", "--prompt", "x"]) == 2
+    assert "'dspark' needs a DSpark drafter" in capsys.readouterr().err
