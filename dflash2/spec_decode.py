@@ -571,11 +571,13 @@ def measure_costs(target, drafter, max_width=AUTO_TREE_CAP + 1, reps=3):
     prompt = torch.randint(target.vocab_size, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
     sampling = Sampling(0.0, 0, 1.0, torch.Generator(device=device))
     rows = _prefill(target, drafter, [prompt], ctx + W + 2, 1, W, False, sampling)
-    seconds = {}
-    for w in [x for x in COST_WIDTHS if x <= W]:
-        ids = torch.zeros(1, w, dtype=torch.long, device=device)
-        pos = ctx + torch.arange(w, device=device)[None]
-        seconds[w] = _best_time(lambda: target.forward(ids, pos, rows.cache, ctx + W), reps)
+    widths = [x for x in COST_WIDTHS if x <= W]
+    calls = {w: functools.partial(target.forward, torch.zeros(1, w, dtype=torch.long, device=device),
+                                  ctx + torch.arange(w, device=device)[None], rows.cache, ctx + W) for w in widths}
+    seconds = {w: float("inf") for w in widths}
+    for _ in range(reps):  # rounds over every width, so that a busy moment slows all widths alike
+        for w in widths:
+            seconds[w] = min(seconds[w], _best_time(calls[w], 1))
     one = seconds[1]
     draft_cost = tree_cost = 0.0
     if drafter is not None:
