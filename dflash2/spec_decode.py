@@ -549,9 +549,10 @@ def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=N
     return book.results
 
 
-def _best_time(fn, reps, least_s=0.02):
+def _best_time(fn, reps, least_s=0.02, warm=True):
     """The fastest of at least reps calls (more while they take under least_s in all), after a warm-up."""
-    fn()  # warm-up: first calls allocate
+    if warm:
+        fn()  # first calls allocate
     best, spent, n = float("inf"), 0.0, 0
     while n < reps or spent < least_s:
         start = time.perf_counter()
@@ -575,9 +576,9 @@ def measure_costs(target, drafter, max_width=AUTO_TREE_CAP + 1, reps=3):
     calls = {w: functools.partial(target.forward, torch.zeros(1, w, dtype=torch.long, device=device),
                                   ctx + torch.arange(w, device=device)[None], rows.cache, ctx + W) for w in widths}
     seconds = {w: float("inf") for w in widths}
-    for _ in range(reps):  # rounds over every width, so that a busy moment slows all widths alike
+    for i in range(reps):  # rounds over every width, so that a busy moment slows all widths alike
         for w in widths:
-            seconds[w] = min(seconds[w], _best_time(calls[w], 1))
+            seconds[w] = min(seconds[w], _best_time(calls[w], 1, warm=i == 0))
     one = seconds[1]
     draft_cost = tree_cost = 0.0
     if drafter is not None:
