@@ -212,6 +212,7 @@ def decode_main(args):
 
     from dflash2 import spec_decode as sd
     from dflash2.machine import emulated, machine
+    from dflash2.results import width_shares
     from dflash2.pair import DTYPES, encode_prompt, load_pair, stop_token_ids
     from dflash2.trace import run
 
@@ -244,7 +245,7 @@ def decode_main(args):
                   target=pair.target_id, draft=pair.draft_id, dtype=dtype_name(pair.dtype),
                   draft_dtype=None if pair.drafter is None else dtype_name(next(pair.drafter.parameters()).dtype),
                   draft_dtype_reason=pair.draft_dtype_reason, machine=machine().describe(),
-                  policy=settings.policy, widths=sd.width_shares([res]))
+                  policy=settings.policy, widths=width_shares([res]))
     if stream is not None:
         stream.show(text_out, final=True)
         print(flush=True)

@@ -16,7 +16,7 @@ _API = {
     "DFlash2Drafter": "model", "CandidateSelector": "model", "DynamicConv": "model",
     "DFlash2Config": "checkpoint", "CheckpointError": "checkpoint", "load_drafter": "model",
     # the loop and its math (SPEC §5)
-    "generate": "spec_decode", "Result": "spec_decode", "Target": "target", "DecodeSettings": "settings", "draft": "spec_decode",
+    "generate": "spec_decode", "Result": "results", "Target": "target", "DecodeSettings": "settings", "draft": "spec_decode",
     "select_path": "spec_decode", "process_logits": "verify", "verify_greedy": "verify",
     "verify_sampled": "verify", "compile_core": "spec_decode",
     # a target and its drafter together

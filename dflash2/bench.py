@@ -31,7 +31,8 @@ from .pair import load_target, stop_token_ids
 from .prompts import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
 from .policy import costs_for
 from .settings import DEFAULT_DRAFT, METHODS, TREE_SCORES, DecodeSettings, HelpFormatter, cache_dir
-from .spec_decode import Result, compile_core, generate, width_shares
+from .results import Result, width_shares
+from .spec_decode import compile_core, generate
 from .target import Target
 
 # task: (file under --data-dir, hub (path, config, split), the prompt text of one row)

@@ -8,14 +8,15 @@ import dataclasses
 import functools
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .kernels import check_attn_backend
-from .policy import COST_CONTEXT, COST_WIDTHS, TREE_BUDGETS, Costs, Policy, cost_key, costs_for, interpolate
-from .dspark import dspark_logits, dspark_walk, walk_prev_ids
+from .dspark import draft_dspark
 from .model import DraftContext, dflash1_walk
+from .policy import COST_CONTEXT, COST_WIDTHS, TREE_BUDGETS, Costs, Policy, cost_key, costs_for, interpolate
+from .results import Requests
 from .settings import AUTO_TREE_CAP, DecodeSettings, InputError, SettingError, cache_dir
 from .target import SlotCache, install_output_hooks, text_config
 from .verify import (build_tree, marginal_log_weights, process_logits, sample_from, selector_log_weights,
@@ -38,29 +39,6 @@ def draft(drafter, target, ctx, anchor, pos, ctx_len, block_size, sizes=None):
     block_valid = None if sizes is None else torch.arange(block_size, device=pos.device) < sizes[:, None]
     h = drafter(embeds, block_pos, ctx.view(ctx_len), slots[None, :] < pos[:, None], block_valid=block_valid)[:, 1:]
     return h, drafter.draft_logits(h, target.lm_head_as(dtype))
-
-
-def draft_dspark(drafter, target, ctx, anchor, pos, ctx_len, block_size, sampling):
-    """DSpark (docs/DSPARK.md): the same block forward over [anchor, MASK x (B-1)], but every slot proposes: slot k
-    drafts the token at position pos + k + 1 by the Markov walk (dspark.dspark_walk). The block is never shrunk
-    (DeepSpec's loop); verification is cut instead. Returns drafts [b, B], q [b, B, V] and the confidence of each
-    slot [b, B]: sigma of the confidence head where the checkpoint has one (it reads h_k and the previous draft),
-    else the largest probability of the walk's law at T = 1 (also a function of the previous draft only)."""
-    block_pos = pos[:, None] + torch.arange(block_size, device=pos.device)
-    dtype = next(drafter.parameters()).dtype
-    head = drafter.lm_head if drafter.own_embeddings else target.lm_head_as(dtype)
-    embeds = drafter.embed_block(anchor, drafter.embed_tokens if drafter.own_embeddings else target.embed_tokens,
-                                 block_size).to(dtype)
-    slots = torch.arange(ctx_len, device=pos.device)
-    h = drafter(embeds, block_pos, ctx.view(ctx_len), slots[None, :] < pos[:, None])
-    drafts, q = dspark_walk(drafter, h, anchor, head, sampling.temperature, sampling.generator)
-    conf = drafter.confidence_logits(h, walk_prev_ids(anchor, drafts))
-    if conf is None:
-        prev = walk_prev_ids(anchor, drafts)
-        conf = dspark_logits(drafter, h, prev, head).softmax(-1).amax(-1)
-    else:
-        conf = conf.sigmoid()
-    return drafts, q, conf
 
 
 def block_sizes(end, pos, block_size):
@@ -137,31 +115,6 @@ def core_functions(target, drafter=None, with_target=True):
         sel = drafter.candidate_selector
         pairs += [(drafter, "forward"), (drafter, "context_kv"), (sel, "edge_scores"), (sel, "walk")]
     return pairs
-
-
-@dataclass
-class Result:
-    """One request's output and its statistics."""
-
-    tokens: list = field(default_factory=list)
-    verify_steps: int = 0  # target forwards: the prefill, then one per decode step
-    accepted: list = field(default_factory=list)  # drafts accepted at each decode step
-    widths: list = field(default_factory=list)  # each decode step's verified block, anchor included (1: plain)
-    finished_by_stop: bool = False
-
-    @property
-    def acceptance_length(self):
-        """tau = mean over decode steps of the tokens each commits, the prefill's token excluded (the
-        authors' benchmark definition, which the model card reports); 1 <= tau <= block size.
-        None when the request ended at its prefill token."""
-        steps = self.verify_steps - 1
-        return (len(self.tokens) - 1) / steps if steps > 0 else None
-
-
-def width_shares(results):
-    """{verified block (anchor included; 1 = a plain step): share of the decode steps}, over all results."""
-    widths = [w for r in results for w in r.widths]
-    return {w: round(widths.count(w) / len(widths), 3) for w in sorted(set(widths))} if widths else {}
 
 
 @dataclass
@@ -386,82 +339,6 @@ def check_generate_args(target, drafter, prompts, settings, propose):
         raise InputError(f"prompt too long: {longest} prompt tokens + {s.max_new_tokens} new tokens + block {W} "
                          f"exceed the target's context of {limit} positions")
     return s, W, longest, limit
-
-
-class Requests:
-    """The host's side of the rows in flight: which request each row serves, its anchor's position (kept
-    on the host, so no device read sizes a step), whether it still decodes, the requests waiting for a
-    row, and every request's Result."""
-
-    def __init__(self, prompts, settings, on_emit):
-        self.prompts, self.settings, self.on_emit = prompts, settings, on_emit
-        self.results = [Result() for _ in prompts]
-        self.waiting = list(range(len(prompts)))
-        self.request, self.alive = [], []  # per row
-        self.pos = torch.zeros(0, dtype=torch.long)
-
-    def take(self, n):
-        """The next n waiting requests (fewer if fewer wait)."""
-        reqs, self.waiting = self.waiting[:n], self.waiting[n:]
-        return reqs
-
-    def free_rows(self):
-        """Finished rows that a waiting request can take."""
-        return [r for r, a in enumerate(self.alive) if not a][: len(self.waiting)]
-
-    def admit(self, rows, reqs, first_tokens):
-        """Requests reqs now decode in rows (a row index past the end appends one), their prefill token emitted."""
-        for row, req, token in zip(rows, reqs, first_tokens):
-            if row == len(self.request):
-                self.request.append(req)
-                self.alive.append(False)
-                self.pos = torch.cat([self.pos, self.pos.new_zeros(1)])
-            self.request[row], self.pos[row] = req, len(self.prompts[req])
-            self.results[req].verify_steps = 1  # the prefill is a request's first verification step
-            self.alive[row] = self.emit(req, [token])
-
-    def compact(self):
-        """Drop finished rows; returns the rows kept, or None when every row is alive."""
-        if all(self.alive):
-            return None
-        keep = [r for r, a in enumerate(self.alive) if a]
-        self.request, self.pos, self.alive = [self.request[r] for r in keep], self.pos[keep], [True] * len(keep)
-        return keep
-
-    def commit(self, host, widths):
-        """A step's host copy [b, 1 + B] (num_accepted, then out) and each row's verify width into the live rows'
-        Results. Returns whether a row finished (its anchor and position then freeze)."""
-        finished = False
-        for r, req in enumerate(self.request):
-            if self.alive[r]:
-                a = int(host[r, 0])
-                res = self.results[req]
-                res.verify_steps += 1
-                res.accepted.append(a)
-                res.widths.append(widths[r])
-                self.pos[r] += a + 1
-                self.alive[r] = self.emit(req, host[r, 1 : a + 2].tolist())
-                finished |= not self.alive[r]
-        return finished
-
-    def steps(self):
-        """Each row's verification step number (a trace's step field)."""
-        return [self.results[r].verify_steps for r in self.request]
-
-    def emit(self, req, tokens):
-        """Append tokens up to a stop token (kept) or max_new_tokens; returns whether the request goes on."""
-        res, s, out = self.results[req], self.settings, []
-        for t in tokens:
-            if len(res.tokens) + len(out) >= s.max_new_tokens:
-                break
-            out.append(t)
-            if t in s.stop_ids:
-                res.finished_by_stop = True
-                break
-        res.tokens.extend(out)
-        if self.on_emit is not None and out:
-            self.on_emit(req, out)
-        return not res.finished_by_stop and len(res.tokens) < s.max_new_tokens
 
 
 @torch.inference_mode()

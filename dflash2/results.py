@@ -1,0 +1,106 @@
+"""The host's side of a run: each request's Result, and the bookkeeping of the rows in flight (which request a
+row serves, its position, whether it still decodes, the requests waiting for a row). No device work here."""
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Result:
+    """One request's output and its statistics."""
+
+    tokens: list = field(default_factory=list)
+    verify_steps: int = 0  # target forwards: the prefill, then one per decode step
+    accepted: list = field(default_factory=list)  # drafts accepted at each decode step
+    widths: list = field(default_factory=list)  # each decode step's verified block, anchor included (1: plain)
+    finished_by_stop: bool = False
+
+    @property
+    def acceptance_length(self):
+        """tau = mean over decode steps of the tokens each commits, the prefill's token excluded (the
+        authors' benchmark definition, which the model card reports); 1 <= tau <= block size.
+        None when the request ended at its prefill token."""
+        steps = self.verify_steps - 1
+        return (len(self.tokens) - 1) / steps if steps > 0 else None
+
+
+def width_shares(results):
+    """{verified block (anchor included; 1 = a plain step): share of the decode steps}, over all results."""
+    widths = [w for r in results for w in r.widths]
+    return {w: round(widths.count(w) / len(widths), 3) for w in sorted(set(widths))} if widths else {}
+
+
+class Requests:
+    """The host's side of the rows in flight: which request each row serves, its anchor's position (kept
+    on the host, so no device read sizes a step), whether it still decodes, the requests waiting for a
+    row, and every request's Result."""
+
+    def __init__(self, prompts, settings, on_emit):
+        self.prompts, self.settings, self.on_emit = prompts, settings, on_emit
+        self.results = [Result() for _ in prompts]
+        self.waiting = list(range(len(prompts)))
+        self.request, self.alive = [], []  # per row
+        self.pos = torch.zeros(0, dtype=torch.long)
+
+    def take(self, n):
+        """The next n waiting requests (fewer if fewer wait)."""
+        reqs, self.waiting = self.waiting[:n], self.waiting[n:]
+        return reqs
+
+    def free_rows(self):
+        """Finished rows that a waiting request can take."""
+        return [r for r, a in enumerate(self.alive) if not a][: len(self.waiting)]
+
+    def admit(self, rows, reqs, first_tokens):
+        """Requests reqs now decode in rows (a row index past the end appends one), their prefill token emitted."""
+        for row, req, token in zip(rows, reqs, first_tokens):
+            if row == len(self.request):
+                self.request.append(req)
+                self.alive.append(False)
+                self.pos = torch.cat([self.pos, self.pos.new_zeros(1)])
+            self.request[row], self.pos[row] = req, len(self.prompts[req])
+            self.results[req].verify_steps = 1  # the prefill is a request's first verification step
+            self.alive[row] = self.emit(req, [token])
+
+    def compact(self):
+        """Drop finished rows; returns the rows kept, or None when every row is alive."""
+        if all(self.alive):
+            return None
+        keep = [r for r, a in enumerate(self.alive) if a]
+        self.request, self.pos, self.alive = [self.request[r] for r in keep], self.pos[keep], [True] * len(keep)
+        return keep
+
+    def commit(self, host, widths):
+        """A step's host copy [b, 1 + B] (num_accepted, then out) and each row's verify width into the live rows'
+        Results. Returns whether a row finished (its anchor and position then freeze)."""
+        finished = False
+        for r, req in enumerate(self.request):
+            if self.alive[r]:
+                a = int(host[r, 0])
+                res = self.results[req]
+                res.verify_steps += 1
+                res.accepted.append(a)
+                res.widths.append(widths[r])
+                self.pos[r] += a + 1
+                self.alive[r] = self.emit(req, host[r, 1 : a + 2].tolist())
+                finished |= not self.alive[r]
+        return finished
+
+    def steps(self):
+        """Each row's verification step number (a trace's step field)."""
+        return [self.results[r].verify_steps for r in self.request]
+
+    def emit(self, req, tokens):
+        """Append tokens up to a stop token (kept) or max_new_tokens; returns whether the request goes on."""
+        res, s, out = self.results[req], self.settings, []
+        for t in tokens:
+            if len(res.tokens) + len(out) >= s.max_new_tokens:
+                break
+            out.append(t)
+            if t in s.stop_ids:
+                res.finished_by_stop = True
+                break
+        res.tokens.extend(out)
+        if self.on_emit is not None and out:
+            self.on_emit(req, out)
+        return not res.finished_by_stop and len(res.tokens) < s.max_new_tokens
