@@ -109,7 +109,7 @@ class RequestState:
     """One request's history, on the host: its rate on drafted steps (tokens per unit cost, an average that
     forgets), and how many plain steps it takes before it drafts again."""
 
-    rate: float = 2.0  # optimistic: a new request drafts first
+    rate: float = 1.3  # a new request drafts first, and stops after two steps that do not pay
     plain_left: int = 0
     backoff: int = 1
 
@@ -161,7 +161,7 @@ class Policy:
                 continue
             s.rate = self.forget * s.rate + (1 - self.forget) * (n + 1) / cost
             if s.rate < 1.0:  # drafting did not pay: plain steps, twice as many each time it fails again
-                s.plain_left, s.backoff = s.backoff, min(2 * s.backoff, 16)
+                s.plain_left, s.backoff = s.backoff, min(2 * s.backoff, 32)
             else:
                 s.backoff = 1
 
