@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 
 from dflash2.settings import (DEFAULT_DRAFT, DEFAULT_TARGET, DTYPE_NAMES, METHODS, TREE_SCORES, DecodeSettings,
-                              HelpFormatter, InputError, LoadError, SettingError, drafter_block_size, one_line)
+                              HelpFormatter, InputError, LoadError, SettingError, WALKS, drafter_block_size, one_line)
 
 
 def auto_or_int(text):
@@ -60,6 +60,9 @@ def build_parser():
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="seed of every random draw (sampling only)")
+    p.add_argument("--walk", choices=WALKS, default="sample",
+                   help="at T > 0: sample each draft from the selector's law (the authors' walk), or take its argmax "
+                        "with a one-hot q (vLLM's default proposal; also lossless)")
     p.add_argument("--block-size", type=auto_or_int, default="auto",
                    help="anchor + drafts per step, 2..the drafter's; auto: each step verifies the drafts the drafter's "
                         "law expects accepted where this machine's measured costs say they pay, up to the drafter's "
@@ -93,7 +96,7 @@ def parse_args(argv=None):
 # DecodeSettings field -> the flag that sets it (an error names the flag the user typed)
 FLAGS = {"method": "--method", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
          "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "block_size": "--block-size",
-         "tree_budget": "--tree-budget", "tree_scores": "--tree-scores"}
+         "tree_budget": "--tree-budget", "tree_scores": "--tree-scores", "walk": "--walk"}
 
 
 def settings_of(args, stop_ids=()):
@@ -104,7 +107,7 @@ def settings_of(args, stop_ids=()):
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=stop_ids,
                               block_size=None if args.block_size == "auto" else args.block_size,
                               tree_budget=None if args.tree_budget == "auto" else args.tree_budget,
-                              tree_scores=args.tree_scores, policy="fixed" if fixed else "auto")
+                              tree_scores=args.tree_scores, policy="fixed" if fixed else "auto", walk=args.walk)
     return settings.validate()
 
 

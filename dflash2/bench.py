@@ -221,7 +221,7 @@ def method_settings(label, args, stop_ids=(), **fields):
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=stop_ids,
                        block_size=int(width) if width and not tree else args.block_size, static=args.compile,
                        tree_budget=int(width) if width and tree else None, tree_scores=args.tree_scores,
-                       policy="fixed" if width else args.policy)
+                       policy="fixed" if width else args.policy, walk=args.walk)
     return dataclasses.replace(s, **fields)
 
 
@@ -637,6 +637,8 @@ def build_parser():
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (one per run)")
     ap.add_argument("--block-size", type=int, default=None, help="the block, or with --policy auto its cap (default: the drafter's)")
+    ap.add_argument("--walk", choices=("sample", "greedy"), default="sample",
+                    help="at T > 0: the selector walk samples its drafts (the authors'), or takes the argmax (vLLM's default)")
     ap.add_argument("--policy", choices=("auto", "fixed"), default="auto",
                     help="auto: each step's width from this machine's measured costs and the drafter's law (policy.py); "
                          "fixed: every step verifies the whole block or tree. A label NAME@N is always fixed at N")

@@ -360,7 +360,7 @@ def draft_dspark(drafter, target, ctx, anchor, pos, ctx_len, block_size, samplin
                                  block_size).to(dtype)
     slots = torch.arange(ctx_len, device=pos.device)
     h = drafter(embeds, block_pos, ctx.view(ctx_len), slots[None, :] < pos[:, None])
-    drafts, q = dspark_walk(drafter, h, anchor, head, sampling.temperature, sampling.generator)
+    drafts, q = dspark_walk(drafter, h, anchor, head, sampling.walk_temperature, sampling.generator)
     conf = drafter.confidence_logits(h, walk_prev_ids(anchor, drafts))
     if conf is None:
         prev = walk_prev_ids(anchor, drafts)

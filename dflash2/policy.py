@@ -7,7 +7,7 @@ once per machine, target and dtype (measure_costs, cached on disk) in units of a
 Each step, for each row:
 1. Draft or not (before drafting, from earlier steps only): a row drafts while its drafted steps have
    made more tokens per unit cost than plain decoding does (1 per V(1)); after a drafted step that did
-   not pay, it decodes plainly for 1, 2, 4, ... steps before it tries again.
+   not pay, it decodes plainly for 2, 4, 8, ... (at most 64) steps before it tries again.
 2. How far (after drafting): the chain verifies draft k while the selector's law expects it accepted
    with a probability worth its extra cost: c_1 * .. * c_k >= rho * (V(k + 1) - V(k)), with c_j the
    law's largest probability at slot j (given draft j-1: never draft j itself) and rho the row's rate so
@@ -111,7 +111,7 @@ class RequestState:
 
     rate: float = 1.3  # a new request drafts first, and stops after two steps that do not pay
     plain_left: int = 0
-    backoff: int = 1
+    backoff: int = 2
 
 
 class Policy:
@@ -161,9 +161,9 @@ class Policy:
                 continue
             s.rate = self.forget * s.rate + (1 - self.forget) * (n + 1) / cost
             if s.rate < 1.0:  # drafting did not pay: plain steps, twice as many each time it fails again
-                s.plain_left, s.backoff = s.backoff, min(2 * s.backoff, 32)
+                s.plain_left, s.backoff = s.backoff, min(2 * s.backoff, 64)
             else:
-                s.backoff = 1
+                s.backoff = 2
 
 
 def chain_keep(conf, rho, costs):

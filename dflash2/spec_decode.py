@@ -125,6 +125,11 @@ class Sampling:
     top_k: int
     top_p: float
     generator: torch.Generator
+    walk_temperature: float = None  # the walk's: temperature, or 0 for a greedy walk (q one-hot) at any temperature
+
+    def __post_init__(self):
+        if self.walk_temperature is None:
+            self.walk_temperature = self.temperature
 
     def first_tokens(self, last):
         """The token after each prompt, from the prefill's last logits [b, V]."""
@@ -224,7 +229,7 @@ def decode_step(target, drafter, rows, method, sampling, B, view_len, ctx_len, p
     else:
         h, U = draft(drafter, target, rows.ctx, rows.anchor, rows.pos, ctx_len, B, sizes)
         drafts, q, *cands = select_path(drafter.candidate_selector, h, U, rows.anchor, method,
-                                        sampling.temperature, sampling.generator, with_candidates=traced)
+                                        sampling.walk_temperature, sampling.generator, with_candidates=traced)
         if cut is not None:  # verify only the first drafts the law expects to be accepted
             keep, B = cut(draft_confidence(drafter.candidate_selector, h, U, rows.anchor, drafts, method))
             drafts, q, sizes = drafts[:, : B - 1], q[:, : B - 1], torch.minimum(sizes, keep + 1)
@@ -363,7 +368,8 @@ def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=N
     max_len = longest + s.max_new_tokens + W + 1
     if s.static:  # round up so later requests reuse the same compiled shapes
         max_len = min(-(-max_len // 256) * 256, limit or max_len)
-    sampling = Sampling(s.temperature, s.top_k, s.top_p, torch.Generator(device=device).manual_seed(s.seed))
+    sampling = Sampling(s.temperature, s.top_k, s.top_p, torch.Generator(device=device).manual_seed(s.seed),
+                        0.0 if s.walk == "greedy" else s.temperature)
     ctx_drafter = drafter if s.method != "ar" else None  # whose context a prefill fills (none for ar)
     book = Requests(prompts, s, on_emit)
     traced = trace is not None

@@ -378,6 +378,18 @@ def test_sampling_loop_preserves_target_distribution(method, max_batch):
     assert tv < bound, (tv, bound)
 
 
+def test_greedy_walk_at_temperature_preserves_target_distribution():
+    """--walk greedy (vLLM's default proposal): at T = 1 the walk takes the argmax and q is one-hot; the loop's
+    output keeps the target's law, and every draft it verified is the argmax path (q one-hot at the draft)."""
+    model, target, drafter = _sampling_pair()
+    tv, bound = _loop_tv(model, target, drafter, "dflash2", walk="greedy")
+    assert tv < bound, (tv, bound)
+    steps = []
+    sd.generate(target, drafter, [[5, 3, 9]] * 4, max_new_tokens=6, temperature=1.0, top_p=0.9, seed=1, walk="greedy",
+                trace=steps.append)
+    assert all(((r["q"] == 0) | (r["q"] == 1)).all() and (r["q"].sum(-1) == 1).all() for r in steps)
+
+
 @pytest.mark.parametrize("mutant", ["forgets_residual", "always_accepts"])
 def test_sampling_loop_catches_a_broken_verifier(monkeypatch, mutant):
     """Negative controls: the same check fails when the loop's verifier is broken."""
