@@ -53,8 +53,8 @@ def test_greedy_with_the_policy_matches_target(method, data, c, n):
 
 
 def test_drafting_that_does_not_pay_turns_into_plain_steps_and_back():
-    """Costly drafts: after the first drafted steps the rows decode plainly (width 1), trying again after 1, 2,
-    4, ... plain steps; cheap drafts and flat costs: every step drafts the whole block."""
+    """Costly drafts: after the first drafted steps the rows decode plainly (width 1), trying again after 2, 4,
+    8, ... plain steps; cheap drafts and flat costs: every step drafts the whole block."""
     model, target, drafter = pair("llama")
     prompts = [[1, 2, 3], [9, 8, 7, 6]]
     dear = sd.generate(target, drafter, prompts, max_new_tokens=40, policy="auto",
