@@ -333,7 +333,7 @@ def test_profile_times_every_phase_without_timers_in_the_loop():
     drafter = tiny_drafter(model)
     target = Target(model, drafter.config.target_layer_ids)
     args = argparse.Namespace(max_new_tokens=16, temperature=0.0, top_k=0, top_p=1.0, seed=0, block_size=None,
-                              compile=False, tree_scores="selector", policy="fixed")
+                              compile=False, tree_scores="selector", policy="fixed", walk="sample")
     plain, _ = bench.run_method(target, drafter, [[1, 2]], "dflash2", 1, args, [], "plain")
     timings = {}
     profiled, wall = bench.run_method(target, drafter, [[1, 2]], "dflash2", 1, args, [], "profiled", timings)
