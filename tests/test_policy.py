@@ -151,7 +151,7 @@ def test_sampling_loop_with_the_policy_preserves_target_distribution():
     model, target, drafter = _sampling_pair()
     results = []
     tv, bound = _loop_tv(model, target, drafter, "dflash2", rows=30000, n=3, policy="auto",
-                         speculation=pol.Policy(costs(0.006, 0.1), 4), results_out=results)
+                         speculation=pol.Policy(costs(0.011, 0.1), 4), results_out=results)
     assert tv < bound, (tv, bound)
     widths = [w for r in results for w in r.widths]
     assert min(widths.count(2), widths.count(3)) > 0.1 * len(widths)  # rows of one batch cut differently

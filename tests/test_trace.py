@@ -11,7 +11,7 @@ from dflash2.trace import check_trace
 GOLDEN = Path(__file__).resolve().parent / "golden"
 PAIR = ["--target", str(GOLDEN / "target"), "--draft", str(GOLDEN / "draft")]
 SETTINGS = {
-    "greedy": ["--temperature", "0"],
+    "greedy": ["--temperature", "0", "--block-size", "6"],  # full blocks (the policy's traces: test_policy.py)
     "sampled": ["--temperature", "0.9", "--top-p", "0.95", "--top-k", "30", "--seed", "11", "--block-size", "4"],
 }
 
