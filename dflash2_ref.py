@@ -73,7 +73,9 @@ def build_parser():
                    help="the drafter's (default: its checkpoint's, bfloat16 for the embedded one); it changes "
                         "drafts, hence speed, never the output")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the target forward, the drafter and the walk, with static shapes (first call compiles)")
+                   help="torch.compile the target forward, the drafter and the walk, with static shapes (first call "
+                        "compiles); every step then verifies the whole block or tree (--block-size/--tree-budget auto "
+                        "would compile one graph per width)")
     p.add_argument("--attn-backend", choices=["sdpa", "flex", "flash"],
                    help="the drafter's attention kernel (default: FA4 on sm90/sm100 when installed, FlexAttention "
                         "on other GPUs, SDPA on CPU)")
@@ -102,7 +104,8 @@ FLAGS = {"method": "--method", "max_new_tokens": "--max-new-tokens", "temperatur
 def settings_of(args, stop_ids=()):
     """The run's DecodeSettings from the command line, checked (before torch is imported)."""
     tree = args.method == "dflash2-tree"
-    fixed = (args.tree_budget if tree else args.block_size) != "auto"  # a number fixes every step's width
+    # a number fixes every step's width; so does --compile (each width would be one more compiled graph)
+    fixed = (args.tree_budget if tree else args.block_size) != "auto" or args.compile
     settings = DecodeSettings(method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=stop_ids,
                               block_size=None if args.block_size == "auto" else args.block_size,

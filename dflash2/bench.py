@@ -221,7 +221,7 @@ def method_settings(label, args, stop_ids=(), **fields):
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=stop_ids,
                        block_size=int(width) if width and not tree else args.block_size, static=args.compile,
                        tree_budget=int(width) if width and tree else None, tree_scores=args.tree_scores,
-                       policy="fixed" if width else args.policy, walk=args.walk)
+                       policy="fixed" if width or args.compile else args.policy, walk=args.walk)
     return dataclasses.replace(s, **fields)
 
 
