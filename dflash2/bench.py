@@ -12,7 +12,6 @@ once (continuous batching, as a serving engine's maximum concurrency does).
 """
 import argparse
 import dataclasses
-import gzip
 import importlib.util
 import json
 import statistics
@@ -28,75 +27,13 @@ from . import machine, spec_decode
 from .kernels import check_attn_backend, prepack_linears
 from .model import DFlash2Drafter
 from .pair import load_target, stop_token_ids
-from .prompts import GSM8K_SUFFIX, HUMANEVAL_WRAP, chat_ids
+from .prompts import ALL_TASKS, TASKS, chat_ids, format_prompt, load_tasks
 from .policy import costs_for
 from .settings import DEFAULT_DRAFT, METHODS, TREE_SCORES, DecodeSettings, HelpFormatter, cache_dir
-from .results import Result, width_shares
+from .results import Result, mean_tau, width_shares
 from .spec_decode import compile_core, generate
 from .target import Target
 
-# task: (file under --data-dir, hub (path, config, split), the prompt text of one row)
-SOURCES = {
-    "gsm8k": ("gsm8k/test.jsonl", ("openai/gsm8k", "main", "test"), lambda r: r["question"]),
-    # The local copy names the field `question`, the hub `problem`.
-    "math500": ("math500/test.jsonl", ("HuggingFaceH4/MATH-500", None, "test"),
-                lambda r: r.get("problem", r.get("question"))),
-    "humaneval": ("humaneval/HumanEval.jsonl.gz", ("openai/openai_humaneval", None, "test"), lambda r: r["prompt"]),
-    "mbpp": ("mbpp/sanitized-mbpp.json", ("google-research-datasets/mbpp", "sanitized", "test"), lambda r: r["prompt"]),
-    # MT-Bench: the first turn only. Local rows say `turns`, the hub `prompt`.
-    "mt-bench": ("mt_bench/question.jsonl", ("HuggingFaceH4/mt_bench_prompts", None, "train"),
-                 lambda r: (r.get("turns") or r["prompt"])[0]),
-}
-TASKS = tuple(SOURCES)  # the five tasks of the model card, the default
-# Prompt sets shipped with the package, one prompt per line; not in the default --tasks, named explicitly.
-# chat-heldout: 100 hand-written chat prompts no training source reads (dflash2/heldout/README.md).
-PACKAGED = {"chat-heldout": "heldout/chat.txt"}
-ALL_TASKS = TASKS + tuple(PACKAGED)
-
-
-def _read_rows(path):
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _hub_rows(task):
-    hub_path, config, split = SOURCES[task][1]
-    try:
-        from datasets import load_dataset
-    except ImportError:
-        raise SystemExit(f"{task}: no local copy under --data-dir and the optional `datasets` package is missing "
-                         "(pip install datasets, or point --data-dir at a copy of the data)") from None
-    try:
-        return list(load_dataset(hub_path, config, split=split))
-    except Exception as e:
-        raise SystemExit(f"{task}: no local copy under --data-dir and {hub_path} cannot be loaded from the hub: {e}") from e
-
-
-def load_tasks(tasks, data_dir, num_prompts):
-    """{task: the first num_prompts prompt texts}, from data_dir (../shared/data layout) or the hub."""
-    out = {}
-    for task in tasks:
-        if task in PACKAGED:
-            lines = (Path(__file__).parent / PACKAGED[task]).read_text(encoding="utf-8").splitlines()
-            out[task] = [line for line in lines if line.strip()][:num_prompts]
-            continue
-        path = Path(data_dir) / SOURCES[task][0]
-        rows = _read_rows(path) if path.is_file() else _hub_rows(task)
-        if task == "mbpp":  # test split only; the rest may train drafters
-            rows = [r for r in rows if 11 <= r["task_id"] <= 510]
-        out[task] = [SOURCES[task][2](r) for r in rows[:num_prompts]]
-    return out
-
-
-def format_prompt(task, text):
-    """The user turn of SPEC §8 (z-lab/dflash benchmark formats)."""
-    if task in ("gsm8k", "math500"):
-        return text + GSM8K_SUFFIX
-    if task == "humaneval":
-        return HUMANEVAL_WRAP.format(prompt=text)
-    return text  # mbpp: the problem text as is; mt-bench: the first turn; chat-heldout: the line as typed
 
 
 # Random-weight pairs of realistic shapes, to time steps where no checkpoint is at hand (the GPU check
@@ -395,12 +332,6 @@ def run_peer(model, method, prompts, args, stop_ids, desc, timings=None, zlab=No
             results.append(Result(out[0, len(prompt):].tolist(), meter.calls))
             bar.update(1)
     return results, clock["wall"]
-
-
-def mean_tau(results):
-    """Mean acceptance length over requests that made a decode step (None if none did)."""
-    taus = [r.acceptance_length for r in results if r.acceptance_length is not None]
-    return statistics.mean(taus) if taus else None
 
 
 PHASES = ["drafter", "selector", "verify", "bookkeeping"]  # the phases run_method's profile times in each step

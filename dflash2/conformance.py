@@ -159,7 +159,7 @@ def main(argv=None):
 
     texts = list(args.prompt)
     if args.task:
-        from .bench import format_prompt, load_tasks
+        from .prompts import format_prompt, load_tasks
 
         for task, rows in load_tasks(args.task, args.data_dir or "", args.num_prompts).items():
             texts += [format_prompt(task, t) for t in rows]

@@ -1,5 +1,6 @@
 """The host's side of a run: each request's Result, and the bookkeeping of the rows in flight (which request a
 row serves, its position, whether it still decodes, the requests waiting for a row). No device work here."""
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -104,3 +105,9 @@ class Requests:
         if self.on_emit is not None and out:
             self.on_emit(req, out)
         return not res.finished_by_stop and len(res.tokens) < s.max_new_tokens
+
+
+def mean_tau(results):
+    """Mean acceptance length over requests that made a decode step (None if none did)."""
+    taus = [r.acceptance_length for r in results if r.acceptance_length is not None]
+    return statistics.mean(taus) if taus else None

@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 
-from .bench import format_prompt, load_tasks, mean_tau
 from .checkpoint import spread_target_layer_ids
 from .distill import (check_device, ddp_teardown, generate_with_features, generation_dtype, make_data, make_prompts,
                       save_shard, self_instruct, usage_error)
 from .fit import train
 from .model import DFlash2Drafter
 from .pair import load_target, stop_token_ids
-from .prompts import PROMPT_SOURCES, chat_ids, training_prompts
+from .prompts import PROMPT_SOURCES, chat_ids, format_prompt, load_tasks, training_prompts
 from .settings import DEFAULT_TARGET, DTYPE_NAMES, HelpFormatter
+from .results import mean_tau
 from .spec_decode import generate
 from .target import Target
 
