@@ -243,16 +243,35 @@ class DraftContext:
     stay invisible (slot >= anchor position) until overwritten, so no crop is needed.
     """
 
-    def __init__(self, drafter, batch, max_len, device):
+    def __init__(self, drafter, batch, max_len, device, defer=True):
         cfg = drafter.config
+        self.defer = defer  # False under compiled cores: a flush of n writes would be a new shape per n
         self.drafter = drafter
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         dtype = next(drafter.parameters()).dtype
         self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                    for _ in range(cfg.num_hidden_layers)]
+        self.pending = []  # one-token writes not yet projected: (features [b, 1, n*H], positions [b, 1])
 
     def write(self, features, positions):
-        """Context K/V of the target's tapped features [b, L, n*H] at positions [b, L], into slot = position."""
+        """Context K/V of the target's tapped features [b, L, n*H] at positions [b, L], into slot = position.
+
+        One-token writes (plain steps) wait, and are projected together when the context is next read:
+        a run of plain steps pays one drafter projection, not one per step. A live row's one-token
+        writes are at distinct positions; a finished row's repeat its frozen slot, which nobody reads."""
+        if self.defer and features.shape[1] == 1:
+            self.pending.append((features, positions))
+            return
+        self.flush()
+        self._project(features, positions)
+
+    def flush(self):
+        if self.pending:
+            features, positions = (torch.cat(t, 1) for t in zip(*self.pending))
+            self.pending = []
+            self._project(features, positions)
+
+    def _project(self, features, positions):
         new = self.drafter.context_kv(features.to(self.kv[0][0].dtype), positions)
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         for (k, v), (nk, nv) in zip(self.kv, new):  # index assignment, updated in place (as SlotCacheLayer._write)
@@ -260,12 +279,16 @@ class DraftContext:
             v[rows, :, positions] = nv.transpose(1, 2)
 
     def view(self, length):
+        self.flush()
         return [(k[:, :, :length], v[:, :, :length]) for k, v in self.kv]
 
     def select_rows(self, rows):
+        self.flush()
         self.kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.kv]
 
     def copy_rows(self, rows, other):
+        self.flush()
+        other.flush()
         for (k, v), (ok, ov) in zip(self.kv, other.kv):
             k[rows], v[rows] = ok, ov
 

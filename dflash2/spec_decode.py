@@ -195,7 +195,7 @@ def _prefill(target, drafter, prompts, max_len, max_new_tokens, W, static, sampl
     last = logits.gather(1, (lens - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1)
     ctx = None
     if drafter is not None:
-        ctx = DraftContext(drafter, len(prompts), max_len, device)
+        ctx = DraftContext(drafter, len(prompts), max_len, device, defer=not static)
         ctx.write(feats, positions)
     live = torch.ones(len(prompts), dtype=torch.bool, device=device)
     return Rows(cache, ctx, sampling.first_tokens(last), lens, lens + max_new_tokens, live)
