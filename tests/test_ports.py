@@ -13,13 +13,16 @@ fixture stubs in sys.modules for these tests only.
 
 The second half plants each difference, and the four classes of port bug reported so far, into a
 copy of our loop or drafter and shows that --check-trace (dflash2.trace.check_trace) names the first
-divergent step, slot and field.
+divergent step, slot and field. The last part does the same for the serving engines' sampled
+verification (SGLang's and vLLM's rules, ported from their Triton and CUDA in a few lines): the exact
+law of a verification step on a tiny vocabulary, or compare_traces given the same uniforms, names each.
 """
 import dataclasses
 import importlib
 import importlib.util
 import json
 import math
+import re
 import sys
 import types
 from pathlib import Path
@@ -617,6 +620,8 @@ def test_planted_greedy_walk_at_temperature_is_named_at_step_1(tmp_path):
 # (docs/sglang_sampling_check.py runs SGLang's kernels themselves in Triton's interpreter). Each port is planted
 # into verify.py, and the check that names it is run on the reference (it passes) and on the port (it fails).
 
+OUR_PROCESS_LOGITS = verify.process_logits  # the ports below call it; the tests monkeypatch the module's name
+
 
 def sglang_top_k_process_logits(logits, temperature, top_k=0, top_p=1.0):
     """SGLang's sparse top-k for verification (srt/speculative/dflash_utils.py:1073-1090): z = logits / T, keep the
@@ -626,10 +631,7 @@ def sglang_top_k_process_logits(logits, temperature, top_k=0, top_p=1.0):
     if 0 < top_k < z.shape[-1]:
         dropped = z.sort(dim=-1, descending=True, stable=True).indices[..., top_k:]
         z = z.scatter(-1, dropped, float("-inf"))
-    return PROCESS_LOGITS(z, 1.0, 0, top_p)
-
-
-PROCESS_LOGITS = verify.process_logits
+    return OUR_PROCESS_LOGITS(z, 1.0, 0, top_p)
 
 
 def emitted_law(logits, Q, vocab, n, temperature, top_k):
@@ -690,8 +692,6 @@ def test_planted_exactly_k_top_k_is_named_on_a_target_with_tied_logits(tmp_path)
     """The same lead through the loop: on a target whose logits tie in pairs, at T = 0.8 and top_k = 3,
     the reference's own trace replays exactly, and the port's is named at the first step where its P
     (3 tokens where SPEC §5 keeps 4) changes a draw: the first token (anchor), num_accepted or out."""
-    import re
-
     target = golden_target_with_tied_logits(tmp_path)
     settings = dict(temperature=0.8, top_k=3)
     write_trace(tmp_path / "ours.jsonl", GOLDEN / "draft", target=target, **settings)
@@ -708,7 +708,7 @@ def vllm_draft_vocab_process_logits(draft_vocab):
     statistics, `mask = block_offsets < vocab_size` at :255; the residual and bonus draw, `block < vocab_size` at
     :878). So P is the target's softmax over its first draft_vocab tokens; the rest get 0."""
     def process_logits(logits, temperature, top_k=0, top_p=1.0):
-        p = PROCESS_LOGITS(logits[..., :draft_vocab], temperature, top_k, top_p)
+        p = OUR_PROCESS_LOGITS(logits[..., :draft_vocab], temperature, top_k, top_p)
         return torch.nn.functional.pad(p, (0, logits.shape[-1] - draft_vocab))
     return process_logits
 
@@ -746,7 +746,7 @@ def verified_step(drafts, q, p, u_accept, u_emit):
 
 
 def sglang_walk_index(q, u):
-    """SGLang's walk draw (kernels/ops/speculative/dflash.py:286-291; its CPU path srt/models/dflash.py:1224-1239):
+    """SGLang's walk draw (kernels/ops/speculative/dflash.py:288-291; its CPU path srt/models/dflash.py:1224-1239):
     the index #{j : u >= cumsum_j(q)}, clamped to K - 1. A float32 row whose mass ends below u yields the last
     candidate, whatever its q."""
     return (u[..., None] >= q.cumsum(-1)).sum(-1).clamp(max=q.shape[-1] - 1)
