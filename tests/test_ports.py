@@ -13,13 +13,16 @@ fixture stubs in sys.modules for these tests only.
 
 The second half plants each difference, and the four classes of port bug reported so far, into a
 copy of our loop or drafter and shows that --check-trace (dflash2.trace.check_trace) names the first
-divergent step, slot and field.
+divergent step, slot and field. The last part does the same for the serving engines' sampled
+verification (SGLang's and vLLM's rules, ported from their Triton and CUDA in a few lines): the exact
+law of a verification step on a tiny vocabulary, or compare_traces given the same uniforms, names each.
 """
 import dataclasses
 import importlib
 import importlib.util
 import json
 import math
+import re
 import sys
 import types
 from pathlib import Path
@@ -29,11 +32,14 @@ import torch
 
 from dflash2 import model as ours_model
 from dflash2 import spec_decode as sd
+from dflash2 import verify
 from dflash2.checkpoint import DFlash2Config
 from dflash2.model import CandidateSelector, DFlash2Drafter, DynamicConv
 from dflash2.settings import DecodeSettings
 from dflash2.trace import check_trace, compare_traces, step_record
 from targets import tiny_glm_config
+from test_verify import (all_prefixes, brute_force_process_logits, max_error_against_target, toy_proposal,
+                         verify_sampled_law)
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 ATOL = 1e-9  # float64 on both sides, and speculators run with SDPA: agreement to rounding
@@ -413,13 +419,13 @@ def golden_draft(tmp_path, **edits):
     return draft
 
 
-def write_trace(path, draft, on_pair=None, **settings):
+def write_trace(path, draft, on_pair=None, target=GOLDEN / "target", **settings):
     """A trace of the golden prompts as one ragged batch (the one place this file runs the loop), written
     by our loop with whatever the caller planted; on_pair(pair) may change the loaded pair first."""
     from dflash2.pair import load_pair, stop_token_ids
     from dflash2.trace import run
 
-    pair = load_pair(str(GOLDEN / "target"), str(draft), torch.device("cpu"), torch.float32)
+    pair = load_pair(str(target), str(draft), torch.device("cpu"), torch.float32)
     if on_pair is not None:
         on_pair(pair)
     full = DecodeSettings(max_new_tokens=12, stop_ids=stop_token_ids(pair.target.model, pair.tokenizer),
@@ -428,12 +434,12 @@ def write_trace(path, draft, on_pair=None, **settings):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def divergence(tmp_path, draft, plant, on_pair=None, **settings):
+def divergence(tmp_path, draft, plant, on_pair=None, target=GOLDEN / "target", **settings):
     """check_trace's line for a trace written with `plant` applied."""
     with pytest.MonkeyPatch.context() as mp:
         plant(mp)
-        write_trace(tmp_path / "port.jsonl", draft, on_pair, **settings)
-    agree, line = check_trace(tmp_path / "port.jsonl", str(GOLDEN / "target"), str(draft))
+        write_trace(tmp_path / "port.jsonl", draft, on_pair, target, **settings)
+    agree, line = check_trace(tmp_path / "port.jsonl", str(target), str(draft))
     assert not agree, line
     return line
 
@@ -607,3 +613,235 @@ def test_planted_greedy_walk_at_temperature_is_named_at_step_1(tmp_path):
     line = divergence(tmp_path, GOLDEN / "draft", lambda mp: mp.setattr(CandidateSelector, "walk", greedy),
                          temperature=0.8)
     assert line.startswith("divergence: request 0 step 1 slot 1 field "), line
+
+
+# --- the serving engines' sampled verification (read in their wheels, docs/PORTS.md), planted ---
+# SGLang 0.5.23 and vLLM 0.33.0 verify in Triton and CUDA, so their rules are ported here in a few lines each
+# (docs/sglang_sampling_check.py runs SGLang's kernels themselves in Triton's interpreter). Each port is planted
+# into verify.py, and the check that names it is run on the reference (it passes) and on the port (it fails).
+
+OUR_PROCESS_LOGITS = verify.process_logits  # the ports below call it; the tests monkeypatch the module's name
+
+
+def sglang_top_k_process_logits(logits, temperature, top_k=0, top_p=1.0):
+    """SGLang's sparse top-k for verification (srt/speculative/dflash_utils.py:1073-1090): z = logits / T, keep the
+    top_k entries a descending sort lists first (exactly k: of the ties with the k-th, the lower ids here; on CUDA
+    whatever order torch.topk gives), softmax over those. top_p then as ours (not a lead)."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    if 0 < top_k < z.shape[-1]:
+        dropped = z.sort(dim=-1, descending=True, stable=True).indices[..., top_k:]
+        z = z.scatter(-1, dropped, float("-inf"))
+    return OUR_PROCESS_LOGITS(z, 1.0, 0, top_p)
+
+
+def emitted_law(logits, Q, vocab, n, temperature, top_k):
+    """The exact law of one verification step (test_verify.verify_sampled_law: verify_sampled at the midpoint
+    of every cell of its uniforms) with P built by whatever verify.process_logits is at call time."""
+    P = verify.process_logits(logits, temperature, top_k)
+    return verify_sampled_law(P, Q, vocab, n)
+
+
+def defined_target(logits, temperature, top_k):
+    """P by the definition, row by row (test_verify.brute_force_process_logits: ties with the k-th kept)."""
+    return torch.tensor([brute_force_process_logits(row, temperature, top_k, 1.0)[0] for row in logits.tolist()],
+                        dtype=torch.float64)
+
+
+def test_planted_exactly_k_top_k_is_caught_by_the_law_on_tied_logits(monkeypatch):
+    """Lead "SGLang's sparse top-k keeps exactly k". SPEC §5 keeps every token tied with the k-th largest
+    logit (as transformers' TopKLogitsWarper does); the port keeps k. On 4 tokens whose logits tie at the
+    k-th place (a permutation of [2, 1, 1, 0] per prefix, k = 2), the exact law of a 2-draft step equals the
+    definition's target for the reference, and is off by the dropped tied token's mass for the port. Without
+    ties the two agree, so the property test on continuous logits (test_verify) cannot see this."""
+    vocab, n, T, k = 4, 2, 0.7, 2
+    gen = torch.Generator().manual_seed(3)
+    rows = len(all_prefixes(vocab, n))
+    logits = torch.stack([torch.tensor([2.0, 1.0, 1.0, 0.0], dtype=torch.float64)[torch.randperm(vocab, generator=gen)]
+                          for _ in range(rows)])
+    Q = toy_proposal(vocab, n, "sampled", 3, gen)
+    target = defined_target(logits, T, k)
+    assert ((target > 0).sum(-1) == 3).all()  # the definition keeps the tie: 3 tokens for k = 2
+    assert max_error_against_target(emitted_law(logits, Q, vocab, n, T, k), target, vocab, n) < 1e-9
+    monkeypatch.setattr(verify, "process_logits", sglang_top_k_process_logits)
+    port = verify.process_logits(logits, T, k)
+    assert ((port > 0).sum(-1) == 2).all()
+    law = emitted_law(logits, Q, vocab, n, T, k)
+    error = max_error_against_target(law, target, vocab, n)
+    assert error > 0.05, error
+    # the first token alone: the port never emits the tied token it dropped, which the target gives > 0.1
+    dropped = int(((target[0] > 0) & (port[0] == 0)).int().argmax())
+    assert sum(prob for seq, prob in law.items() if seq[0] == dropped) == 0 and target[0, dropped] > 0.1
+
+
+def golden_target_with_tied_logits(tmp_path):
+    """The golden target with lm_head rows 2m + 1 set to rows 2m: its logits come in tied pairs at every
+    position, so a top-k with k odd always cuts a tie (the k-th and the (k+1)-th largest are equal)."""
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "tied_target"
+    target.mkdir()
+    for f in (GOLDEN / "target").iterdir():
+        target.joinpath(f.name).write_bytes(f.read_bytes())
+    state = load_file(target / "model.safetensors")
+    state["lm_head.weight"][1::2] = state["lm_head.weight"][0::2]
+    save_file(state, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+def test_planted_exactly_k_top_k_is_named_on_a_target_with_tied_logits(tmp_path):
+    """The same lead through the loop: on a target whose logits tie in pairs, at T = 0.8 and top_k = 3,
+    the reference's own trace replays exactly, and the port's is named at the first step where its P
+    (3 tokens where SPEC §5 keeps 4) changes a draw: the first token (anchor), num_accepted or out."""
+    target = golden_target_with_tied_logits(tmp_path)
+    settings = dict(temperature=0.8, top_k=3)
+    write_trace(tmp_path / "ours.jsonl", GOLDEN / "draft", target=target, **settings)
+    agree, line = check_trace(tmp_path / "ours.jsonl", str(target), str(GOLDEN / "draft"))
+    assert agree, line
+    line = divergence(tmp_path, GOLDEN / "draft", lambda mp: mp.setattr(sd, "process_logits", sglang_top_k_process_logits),
+                      target=target, **settings)
+    assert re.match(r"divergence: request \d+ step \d+ field (anchor|num_accepted|out)\b", line), line
+
+
+def vllm_draft_vocab_process_logits(draft_vocab):
+    """vLLM's probabilistic rejection with draft logits (v1/worker/gpu/spec_decode/rejection_sampler_utils.py:1166):
+    vocab_size = min(target, draft), and every later pass reads only tokens below it (the target's softmax
+    statistics, `mask = block_offsets < vocab_size` at :255; the residual and bonus draw, `block < vocab_size` at
+    :878). So P is the target's softmax over its first draft_vocab tokens; the rest get 0."""
+    def process_logits(logits, temperature, top_k=0, top_p=1.0):
+        p = OUR_PROCESS_LOGITS(logits[..., :draft_vocab], temperature, top_k, top_p)
+        return torch.nn.functional.pad(p, (0, logits.shape[-1] - draft_vocab))
+    return process_logits
+
+
+def test_planted_vocabulary_cut_to_the_drafters_is_caught_by_the_law(monkeypatch):
+    """Lead "vLLM's probabilistic mode uses vocab_size = min(target, draft)". A target of 5 tokens and a drafter
+    of 4 (q never proposes token 4): the reference's exact law is the target's; the port's never emits
+    token 4 and is off by its mass. Lossless only when the target's extra rows carry no mass (padding)."""
+    vocab, n, T, draft_vocab = 5, 2, 1.0, 4
+    gen = torch.Generator().manual_seed(4)
+    logits = 2 * torch.randn(len(all_prefixes(vocab, n)), vocab, generator=gen, dtype=torch.float64)
+    logits[:, 4] += 2  # token 4 carries real mass: not padding
+    Q = toy_proposal(vocab, n, "sampled", 3, gen)
+    Q[:, 4] = 0  # the drafter's vocabulary stops at 4 tokens
+    Q = Q / Q.sum(-1, keepdim=True)
+    target = verify.process_logits(logits, T)
+    assert max_error_against_target(emitted_law(logits, Q, vocab, n, T, 0), target, vocab, n) < 1e-9
+    monkeypatch.setattr(verify, "process_logits", vllm_draft_vocab_process_logits(draft_vocab))
+    law = emitted_law(logits, Q, vocab, n, T, 0)
+    error = max_error_against_target(law, target, vocab, n)
+    assert error > 0.05, error
+    assert not any(4 in seq for seq in law) and (target[:, 4] > 0).all()
+
+
+def verified_step(drafts, q, p, u_accept, u_emit):
+    """One request's step record from verify.verify_sampled as it is at call time (planted or not), with
+    the uniforms given: drafts [n], q [n, V] (row i-1 is q_i), p [n+1, V], u_accept [n], u_emit a float."""
+    n = len(drafts)
+    d = torch.tensor([drafts])
+    a, out = verify.verify_sampled(d, q[None], p[None], torch.tensor([u_accept]).view(1, n), torch.tensor([u_emit]))
+    a = int(a[0])
+    return step_record(request=0, step=1, anchor_pos=3, anchor=1, drafts=drafts, candidates=None, cand_logits=None,
+                       q=None, q_draft=q.gather(-1, d.T).flatten().tolist(), target_argmax=p.argmax(-1).tolist(),
+                       u_accept=list(u_accept), u_emit=u_emit, num_accepted=a, out=out[0, : a + 1].tolist())
+
+
+def sglang_walk_index(q, u):
+    """SGLang's walk draw (kernels/ops/speculative/dflash.py:288-291; its CPU path srt/models/dflash.py:1224-1239):
+    the index #{j : u >= cumsum_j(q)}, clamped to K - 1. A float32 row whose mass ends below u yields the last
+    candidate, whatever its q."""
+    return (u[..., None] >= q.cumsum(-1)).sum(-1).clamp(max=q.shape[-1] - 1)
+
+
+def sglang_acceptance_probability(p_draft, q_draft):
+    """SGLang's chain rejection (kernels/ops/speculative/reject_sampling.py:147-149): accept iff 0 < q <= 1 and
+    u * q < P, so alpha = min(1, P/q) for q in (0, 1] and 0 otherwise."""
+    ok = (q_draft > 0) & (q_draft <= 1)
+    return torch.where(ok, p_draft / torch.where(ok, q_draft, 1.0), 0.0).clamp(max=1.0)
+
+
+def test_planted_zero_q_rejection_is_named_at_num_accepted(monkeypatch):
+    """Lead "SGLang always rejects a draft with q(d) = 0". Where such a draft comes from: a float32 softmax
+    row over K = 4 candidates, two of them underflowed to 0, whose mass is 1 - 2^-24; SGLang's walk with
+    u = 1 - 2^-24 (the largest float32 below 1) clamps to candidate 3, q = 0; our sample_from scales u by the
+    row's own sum and stays on tokens with mass. SPEC §5 then accepts d when P(d) > 0 (alpha = 1, the limit of
+    min(1, P/q) as q -> 0; the clamp really draws d with probability 2^-24 here, so 1 is also the exact
+    alpha whenever P(d) >= 2^-24). The port rejects it for every u. The replayed uniforms being the same,
+    compare_traces names the step's num_accepted."""
+    q = torch.tensor([[0.75, 0.25 - 2.0**-24, 0.0, 0.0]])
+    u = torch.tensor([1 - 2.0**-24])
+    assert sglang_walk_index(q, u).tolist() == [3] and q[0, 3] == 0
+    assert verify.sample_from(q, u).tolist() == [1]
+    p = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.1, 0.2, 0.3, 0.4]])
+    for u_accept in (0.0, 0.5, 0.99):
+        ref = verified_step([3], q, p, [u_accept], 0.5)
+        assert ref["num_accepted"] == 1 and compare_traces([ref], [ref], 1e-4) is None
+        with monkeypatch.context() as mp:
+            mp.setattr(verify, "acceptance_probability", sglang_acceptance_probability)
+            port = verified_step([3], q, p, [u_accept], 0.5)
+        assert compare_traces([ref], [port], 1e-4) == "request 0 step 1 field num_accepted: reference 1 vs trace 0"
+
+
+def sglang_final_draw(weights, coin, block=4096):
+    """SGLang's residual and bonus draw (kernels/ops/speculative/reject_sampling.py:175-239) from one row of
+    weights >= 0 [V]: pass 1 sets norm to the sum of the block sums (tl.sum); pass 2 scans each block
+    (tl.cumsum) and returns the first token whose running total exceeds coin * norm, else token V - 1. A
+    pairwise tree stands in for tl.sum and a left-to-right scan for tl.cumsum, float32 throughout (Triton
+    fixes neither order; they are the orders its interpreter uses, docs/sglang_sampling_check.py)."""
+    def tree_sum(x):
+        while len(x) > 1:
+            x = torch.nn.functional.pad(x, (0, len(x) % 2))
+            x = x[0::2] + x[1::2]
+        return x[0]
+
+    w = weights.float()
+    V = len(w)
+    blocks = [w[i:i + block] for i in range(0, V, block)]
+    norm = torch.tensor(0.0)
+    for b in blocks:
+        norm = norm + tree_sum(b)
+    target_u, total = torch.tensor(coin, dtype=torch.float32) * norm, torch.tensor(0.0)
+    for start, b in zip(range(0, V, block), blocks):
+        prefix = torch.tensor(0.0)
+        for j, x in enumerate(b):
+            prefix = prefix + x
+            if total + prefix > target_u:
+                return start + j
+        total = total + tree_sum(b)
+    return V - 1
+
+
+def plant_sglang_residual_draw(mp):
+    """SGLang's residual (max(P - q, 0), no fallback: the kernel normalises by its own pass-1 sum) and its draw."""
+    mp.setattr(verify, "residual_distribution", lambda p, q: (p - q).clamp(min=0))
+    mp.setattr(verify, "sample_from", lambda w, u: torch.tensor([sglang_final_draw(r, c) for r, c in zip(w, u.tolist())]))
+    mp.setattr(verify, "acceptance_probability", sglang_acceptance_probability)
+
+
+def test_planted_residual_fall_through_to_the_last_token_is_named_at_out(monkeypatch):
+    """Lead "SGLang's residual and bonus kernel can fall through to token V - 1". Two ways, both with a
+    token the target gives probability 0 emitted:
+    1. a zero residual: P = q = [1/2, 1/2, 0, 0] and a draft with q(d) = P(d) = 0 (the clamp above):
+       rejected on both sides; max(P - q, 0) is 0 everywhere, so the port emits token 3 for every u, while
+       SPEC §5 draws from P itself (verify.residual_distribution);
+    2. rounding: the bonus row P = [1, a, a, a, 0, 0, 0, 0], a = 2^-24, at u = 1 - 2^-24. The tree sums it to
+       1 + 2^-23, the scan never passes 1 (each a is half an ulp of 1, rounded away), u * norm rounds to 1,
+       so no running total exceeds it and the port emits token 7. Our sample_from takes u * total from its
+       own cumulative sum, and never steps past the last token with mass.
+    The replayed uniforms being the same, compare_traces names the emitted token (out)."""
+    half = torch.tensor([[0.5, 0.5, 0.0, 0.0]])
+    p = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25] * 4])
+    a = 2.0**-24
+    bonus = torch.tensor([[1.0] + [0.0] * 7, [1.0, a, a, a, 0.0, 0.0, 0.0, 0.0]])
+    one_hot = torch.tensor([[1.0] + [0.0] * 7])
+    cases = [([2], half, p, 0.5, u, "out[0]") for u in (0.0, 0.3, 0.9)] + [([0], one_hot, bonus, 0.5, 1 - a, "out[1]")]
+    for drafts, q, p, u_accept, u_emit, field in cases:
+        ref = verified_step(drafts, q, p, [u_accept], u_emit)
+        emitted = ref["out"][-1]
+        assert p[len(ref["out"]) - 1, emitted] > 0
+        with monkeypatch.context() as mp:
+            plant_sglang_residual_draw(mp)
+            port = verified_step(drafts, q, p, [u_accept], u_emit)
+        last = p.shape[-1] - 1
+        assert port["out"][-1] == last and p[len(port["out"]) - 1, last] == 0
+        assert compare_traces([ref], [port], 1e-4) == (
+            f"request 0 step 1 field {field}: reference {emitted} vs trace {last}")

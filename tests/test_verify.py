@@ -393,6 +393,25 @@ def test_process_logits_matches_definition(rows, vocab, temperature, top_k, top_
 
 @settings(FAST, max_examples=60)
 @given(
+    vocab=st.integers(1, 12),
+    spread=st.integers(0, 3),
+    temperature=st.floats(0.3, 2.0),
+    top_k=st.integers(1, 12),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_top_k_keeps_every_token_tied_with_the_kth(vocab, spread, temperature, top_k, seed):
+    """Integer logits tie a lot (the continuous ones above never do): top-k keeps every token whose logit
+    equals the k-th largest, as the definition says (SPEC §5), never exactly k by position. A port that keeps
+    exactly k (SGLang's sparse top-k) passes the test above and fails this one (tests/test_ports.py)."""
+    logits = torch.randint(-spread, spread + 1, (vocab,), generator=torch.Generator().manual_seed(seed)).double()
+    kth = logits.sort(descending=True).values[min(top_k, vocab) - 1]
+    probs = verify.process_logits(logits, temperature, top_k)
+    assert ((probs > 0) == (logits >= kth)).all()
+    assert probs.tolist() == pytest.approx(brute_force_process_logits(logits.tolist(), temperature, top_k, 1.0)[0], abs=1e-12)
+
+
+@settings(FAST, max_examples=60)
+@given(
     rows=st.integers(1, 6),
     vocab=st.integers(1, 40),
     spread=st.integers(0, 4),
