@@ -6,9 +6,11 @@ same process, right after). Prints one table row per prompt and the mean.
         --heldout 4 --data-dir ../shared/data [-- --block-size 8]
 
 Prompts: the first MT-Bench question of each category named (first turn), and the first N of the held-out chat
-prompts (dflash2/heldout/chat.txt), which no training source reads. Flags after `--` go to every run.
+prompts (dflash2/heldout/chat.txt), which no training source reads. Flags after `--` go to every run. `--repeat N` runs
+each prompt N times and prints each prompt's median: one run's speedup moves with the machine's drift.
 """
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -42,12 +44,15 @@ def main(argv=None):
     ap.add_argument("--heldout", type=int, default=4, help="the first N held-out chat prompts")
     ap.add_argument("--gsm8k", type=int, default=0, help="the first N GSM8K test questions")
     ap.add_argument("--data-dir", default="../shared/data")
+    ap.add_argument("--only", default=None, help="keep only these prompts (comma-separated names as printed)")
+    ap.add_argument("--repeat", type=int, default=1, help="run each prompt this many times (one process each)")
     ap.add_argument("--out", default=None, help="also write the rows as JSON")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     rows = []
     print(f"flags: {' '.join(extra) or '(none)'}; {platform.processor() or platform.machine()}")
     print("| prompt | τ | tok/s | ar tok/s | speedup | identical | widths (share of steps) |\n|---|---|---|---|---|---|---|")
-    for name, text in prompts_of(args):
+    todo = [(n, t) for n, t in prompts_of(args) if args.only is None or n in args.only.split(",")]
+    for (name, text), _ in itertools.product(todo, range(args.repeat)):
         done = subprocess.run([sys.executable, "dflash2_ref.py", "--prompt", text, "--baseline", "--json", *extra],
                               cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0:
@@ -60,7 +65,11 @@ def main(argv=None):
               f"{r['ar_tokens_per_s']:.1f} | {r['speedup']:.2f}× | {r['identical']} | "
               f"{', '.join(f'{w}: {s:.2f}' for w, s in widths.items())} |", flush=True)
     speedups = [r["speedup"] for r in rows]
-    print(f"\nmean speedup {statistics.mean(speedups):.2f}×, lowest {min(speedups):.2f}× ({len(rows)} prompts)")
+    print(f"\nmean speedup {statistics.mean(speedups):.2f}×, lowest {min(speedups):.2f}× ({len(rows)} runs)")
+    if args.repeat > 1:
+        for name, _ in todo:
+            mine = [r["speedup"] for r in rows if r["prompt"] == name]
+            print(f"{name}: median {statistics.median(mine):.2f}× over {len(mine)} runs ({min(mine):.2f}–{max(mine):.2f}×)")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(flags=extra, rows=rows), indent=1) + "\n")
 

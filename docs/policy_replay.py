@@ -1,0 +1,140 @@
+"""The speculation policy replayed offline, free of the machine's timing noise: the speedup it would reach on each
+prompt if every step cost what measure_costs says (a plain step V(1), a drafted step D + V(width)).
+
+    python docs/policy_replay.py --tasks mt-bench:0:10,chat-heldout:0:10,gsm8k:0:3 --data-dir ../shared/data
+
+Pass 1 (slow, cached in --cache): greedy decoding of each prompt one token per step, with the drafter run at every
+position; it records the uncut drafts of the full block and the law's confidences c_t (spec_decode.draft_confidence,
+which this script wraps to read them). Greedy output does not depend on the policy, so the tokens a drafted step
+would accept at position i are the leading drafts equal to the output after i.
+Pass 2: policy.Policy itself (and the full block, for comparison) walks each output: at each step it decides to
+draft or not, cuts the chain from the recorded confidences and is told what was accepted, as in the loop.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflash2 import spec_decode  # noqa: E402
+from dflash2.policy import Costs, Policy, costs_for  # noqa: E402
+
+
+class EveryPosition(Policy):
+    """Drafts at every step and verifies the anchor alone: one token per step, the drafter seen everywhere."""
+
+    def drafts(self, alive):
+        self.widths = [1] * len(self.rows)
+        return True
+
+    def cut_chain(self, conf):
+        self.widths = [1] * len(self.rows)
+        return torch.zeros(conf.shape[0], dtype=torch.long, device=conf.device), 1
+
+
+class FullBlock(Policy):
+    def drafts(self, alive):
+        self.widths = [self.cap] * len(self.rows)
+        return True
+
+    def cut_chain(self, conf):
+        return torch.full((conf.shape[0],), self.cap - 1, device=conf.device), self.cap
+
+
+def record(specs, data_dir, max_new_tokens):
+    from dflash2.pair import encode_prompt, load_pair, stop_token_ids
+    from dflash2.prompts import format_prompt, load_tasks
+    from dflash2.settings import cache_dir
+
+    pair = load_pair()
+    costs = costs_for(pair.target, pair.drafter, spec_decode.measure_costs, cache_dir() / "costs.json")
+    seen, wrapped = {}, spec_decode.draft_confidence
+
+    def confidence(selector, h, U, anchor, drafts, method):
+        conf = wrapped(selector, h, U, anchor, drafts, method)
+        seen["drafts"].append(drafts[0].tolist())
+        seen["conf"].append(conf[0].tolist())
+        return conf
+
+    spec_decode.draft_confidence = confidence
+    rows, stops = [], stop_token_ids(pair.target.model, pair.tokenizer)
+    try:
+        for spec in specs.split(","):
+            task, first, num = spec.split(":")
+            texts = load_tasks([task], data_dir, int(first) + int(num))[task][int(first):]
+            for i, text in enumerate(texts):
+                seen.update(drafts=[], conf=[])
+                ids = encode_prompt(pair.tokenizer, format_prompt(task, text))
+                res = spec_decode.generate(pair.target, pair.drafter, [ids], speculation=EveryPosition(costs, 8),
+                                           block_size=8, max_new_tokens=max_new_tokens, stop_ids=stops)[0]
+                rows.append(dict(task=task, index=int(first) + i, tokens=res.tokens, **seen))
+                print(f"recorded {task} {int(first) + i}: {len(res.tokens)} tokens", file=sys.stderr, flush=True)
+    finally:
+        spec_decode.draft_confidence = wrapped
+    return dict(costs=costs.__dict__, rows=rows)
+
+
+def accepted_at(row, i):
+    """Drafts the target accepts at position i: the leading drafts equal to the greedy output after i."""
+    n = 0
+    for k, d in enumerate(row["drafts"][i]):
+        if i + 1 + k >= len(row["tokens"]) or row["tokens"][i + 1 + k] != d:
+            break
+        n += 1
+    return n
+
+
+def replay(row, policy, costs):
+    """(speedup over plain decoding, share of drafted steps) of `policy` on one recorded output."""
+    n, i, cost, steps, drafted_steps = len(row["tokens"]), 0, 0.0, 0, 0
+    while i < n - 1:
+        policy.begin([0], [steps])
+        drafted = policy.drafts([True])
+        accepted = 0
+        if drafted:
+            keep, width = policy.cut_chain(torch.tensor([row["conf"][i]]))
+            accepted = min(accepted_at(row, i), int(keep[0]), n - 2 - i)
+            cost += costs.draft + costs.V(width)
+            drafted_steps += 1
+        else:
+            cost += 1.0
+        policy.end([True], [accepted], drafted)
+        i, steps = i + accepted + 1, steps + 1
+    return (n - 1) / cost, drafted_steps / max(steps, 1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", default="mt-bench:0:10,chat-heldout:0:10,gsm8k:0:3", help="task:first:count,...")
+    ap.add_argument("--data-dir", default="../shared/data")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--cache", default="/tmp/policy_replay.json", help="pass 1's record (reused when it exists)")
+    args = ap.parse_args()
+    cache = Path(args.cache)
+    data = json.loads(cache.read_text()) if cache.is_file() else None
+    if data is None or data.get("tasks") != args.tasks:
+        data = dict(record(args.tasks, args.data_dir, args.max_new_tokens), tasks=args.tasks)
+        cache.write_text(json.dumps(data))
+    costs = Costs(**data["costs"])
+    print(f"costs: V(2) {costs.V(2):.2f}, V(4) {costs.V(4):.2f}, V(8) {costs.V(8):.2f}, draft {costs.draft:.2f} "
+          f"(units of V(1) = {costs.ms_per_token:.1f} ms)\n")
+    print("| prompt | tokens | full block | policy | policy's drafted steps |\n|---|---|---|---|---|")
+    table = []
+    for row in data["rows"]:
+        full, _ = replay(row, FullBlock(costs, 8), costs)
+        auto, share = replay(row, Policy(costs, 8), costs)
+        table.append((row["task"], full, auto))
+        print(f"| {row['task']} {row['index']} | {len(row['tokens'])} | {full:.2f}× | {auto:.2f}× | {share:.2f} |")
+    for task in dict.fromkeys(t for t, _, _ in table):
+        full, auto = ([r[k] for r in table if r[0] == task] for k in (1, 2))
+        print(f"\n{task}: full block mean {sum(full) / len(full):.3f}× (lowest {min(full):.2f}×), "
+              f"policy mean {sum(auto) / len(auto):.3f}× (lowest {min(auto):.2f}×)", end="")
+    print()
+
+
+if __name__ == "__main__":
+    main()
