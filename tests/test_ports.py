@@ -615,6 +615,36 @@ def test_planted_greedy_walk_at_temperature_is_named_at_step_1(tmp_path):
     assert line.startswith("divergence: request 0 step 1 slot 1 field "), line
 
 
+def test_planted_window_without_use_sliding_window_is_named_where_the_context_first_reaches_w(tmp_path):
+    """vLLM with `dflash_config.swa_window_size` (its own key) windows a sliding layer although
+    use_sliding_window is false, where the authors' model reads no window (transformers' Qwen3Config drops
+    sliding_window). Planted as a window of W = the config's sliding_window on every sliding layer."""
+    draft = golden_draft(tmp_path, use_sliding_window=False)
+    W = json.loads((draft / "config.json").read_text())["sliding_window"]
+    good = write_trace(tmp_path / "good.jsonl", draft)
+    windowed = lambda self, i: self.sliding_window if self.layer_types[i] == "sliding_attention" else None  # noqa: E731
+    line = divergence(tmp_path, draft, lambda mp: mp.setattr(DFlash2Config, "layer_window", windowed))
+    # no window sees every context key; a window of W drops key p + t - W from slot t once p + t >= W
+    assert line.startswith("divergence: " + first_step(good, lambda r: r["anchor_pos"] + len(r["drafts"]) >= W)), line
+
+
+def test_full_end_blocks_trimmed_at_the_budget_keep_the_greedy_tokens_and_verify_more(tmp_path, monkeypatch):
+    """vLLM and SGLang never shrink the block near max_tokens: they verify a full block and trim the accepted
+    run at the budget (docs/PORTS.md). Greedy, that commits the same tokens as the authors' shrunk blocks; it
+    verifies more drafts, and the last steps' drafts differ (tests/test_conformance.py names the first
+    shortened step with --check-trace)."""
+    good = write_trace(tmp_path / "good.jsonl", GOLDEN / "draft")
+    B = good[0]["block_size"]
+    assert any(len(r["drafts"]) < B - 1 for r in good if r["type"] == "step")  # the budget shrank some blocks
+    monkeypatch.setattr(sd, "block_sizes", lambda end, pos, block_size: torch.full_like(pos, block_size))
+    full = write_trace(tmp_path / "full.jsonl", GOLDEN / "draft")
+    results = lambda records: {r["request"]: r["tokens"] for r in records if r["type"] == "result"}  # noqa: E731
+    drafts = lambda records: sum(len(r["drafts"]) for r in records if r["type"] == "step")  # noqa: E731
+    assert results(full) == results(good)
+    assert all(len(r["drafts"]) == B - 1 for r in full if r["type"] == "step")
+    assert drafts(full) > drafts(good)
+
+
 # --- the serving engines' sampled verification (read in their wheels, docs/PORTS.md), planted ---
 # SGLang 0.5.23 and vLLM 0.33.0 verify in Triton and CUDA, so their rules are ported here in a few lines each
 # (docs/sglang_sampling_check.py runs SGLang's kernels themselves in Triton's interpreter). Each port is planted
