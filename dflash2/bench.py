@@ -174,7 +174,7 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
                             ("select_tree", "selector")):  # a tree's build counts as its selection
             meter.watch(spec_decode, name, phase)
         meter.watch(target, "forward", "verify")
-    bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False)
+    bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
     emitted = [0] * len(prompts)
 
     def on_emit(req, tokens):  # advance the bar when a request ends (generate's stop rule)
@@ -316,7 +316,7 @@ def run_peer(model, method, prompts, args, stop_ids, desc, timings=None, zlab=No
         hf.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if method == "hf-pld":
         hf.update(prompt_lookup_num_tokens=args.pld_num_tokens, max_matching_ngram_size=args.pld_ngram)
-    bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False)
+    bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
     results = []
     with metered(meter, bar, model.device) as clock:
         for i, prompt in enumerate(prompts):
