@@ -17,6 +17,8 @@ import re
 import string
 from pathlib import Path
 
+from .settings import InputError
+
 _DATA = Path(__file__).parent / "prompt_data"
 
 
@@ -281,7 +283,7 @@ def _docs_prompts(n: int, rng: random.Random) -> list[str]:
     return _unique(make, n)
 
 
-# --------------------------------------------------------------------------- filtering and chat ids
+# --------------------------------------------------------------------------- filtering and the chat template
 
 def normalized_words(text: str) -> frozenset[str]:
     """Lower-case word set, for near-duplicate checks."""
@@ -375,15 +377,23 @@ def training_prompts(data_dir: str, sources=("gsm8k", "mbpp", "chat"), seed: int
     return prompts
 
 
-def chat_ids(tokenizer, prompt, system: str | None = None) -> list[int]:
-    """Token ids of a prompt through the target's chat template, with the generation prompt. `prompt` is one
-    user turn (a string) or a conversation (a list of {"role", "content"} messages ending with a user turn)."""
+def encode_prompt(tokenizer, prompt, system: str | None = None, chat: bool = True) -> list[int]:
+    """Token ids of a prompt through the target's chat template, with the generation prompt. `prompt` is one user
+    turn (a string) or a conversation (a list of {"role", "content"} messages ending with a user turn); system, if
+    given, goes first. chat=False: the tokenizer's ids of the raw text (its special tokens included).
+
+    The template is rendered to text and the text tokenized without added special tokens, as transformers does
+    for apply_chat_template(tokenize=True); on SmolLM2 the two give the same ids."""
+    if not chat:
+        if not isinstance(prompt, str):
+            raise InputError("a conversation needs the chat template")
+        return list(tokenizer(prompt)["input_ids"])
+    if not tokenizer.chat_template:
+        raise InputError("the target's tokenizer has no chat template; pass --no-chat-template")
     turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    msgs = ([{"role": "system", "content": system}] if system else []) + turns
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    if not isinstance(ids, list):
-        ids = ids["input_ids"]
-    return list(ids)
+    messages = ([{"role": "system", "content": system}] if system else []) + turns
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
 # --- the evaluation prompts (the bench reads them; training never does) ---

@@ -462,7 +462,7 @@ def test_multi_turn_prompts_are_conversations_the_data_step_reads(tmp_path):
     """prompts --kind multi-turn: each row is user turn, the target's greedy answer to it, a follow-up; `data`
     reads the file and encodes the whole conversation with the chat template."""
     from dflash2.pair import load_target, stop_token_ids
-    from dflash2.prompts import FOLLOW_UPS, chat_ids
+    from dflash2.prompts import FOLLOW_UPS, encode_prompt
     from tiny_tokenizer import tiny_tokenizer
 
     model = tiny_target("llama", vocab=64, hidden=32, layers=3)
@@ -482,10 +482,10 @@ def test_multi_turn_prompts_are_conversations_the_data_step_reads(tmp_path):
     stop = set(stop_token_ids(target, tok2))
     for conv in rows:
         assert [m["role"] for m in conv] == ["user", "assistant", "user"] and conv[2]["content"] in FOLLOW_UPS
-        first = chat_ids(tok2, conv[0]["content"])
+        first = encode_prompt(tok2, conv[0]["content"])
         greedy = distill.generate_with_features(target, [first], [0], 24, stop, 1)[0][0][len(first):].tolist()
         assert conv[1]["content"] == tok2.decode([t for t in greedy if t not in stop], skip_special_tokens=True).strip()
-        ids = chat_ids(tok2, conv)
+        ids = encode_prompt(tok2, conv)
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in conv) + "<|im_start|>assistant\n"
         assert ids == tok2(text, add_special_tokens=False)["input_ids"]
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
