@@ -219,7 +219,8 @@ def decode_main(args):
     from dflash2 import spec_decode as sd
     from dflash2.machine import emulated, machine
     from dflash2.results import width_shares
-    from dflash2.pair import DTYPES, encode_prompt, load_pair, stop_token_ids
+    from dflash2.pair import DTYPES, load_pair, stop_token_ids
+    from dflash2.prompts import encode_prompt
     from dflash2.trace import run
 
     device, dtype = torch_settings(args)

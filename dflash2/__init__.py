@@ -20,8 +20,8 @@ _API = {
     "select_path": "spec_decode", "process_logits": "verify", "verify_greedy": "verify",
     "verify_sampled": "verify", "compile_core": "spec_decode",
     # a target and its drafter together
-    "Pair": "pair", "load_pair": "pair", "check_pair": "pair", "encode_prompt": "pair", "load_target": "pair",
-    "stop_token_ids": "pair",
+    "Pair": "pair", "load_pair": "pair", "check_pair": "pair", "load_target": "pair",
+    "stop_token_ids": "pair", "encode_prompt": "prompts",
     # step traces: write, read, compare, replay
     "TRACE_FORMAT": "trace", "run": "trace", "read_trace": "trace", "compare_traces": "trace",
     "check_trace": "trace", "step_records": "trace",

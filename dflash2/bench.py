@@ -27,7 +27,7 @@ from . import machine, spec_decode
 from .kernels import check_attn_backend, prepack_linears
 from .model import DFlash2Drafter
 from .pair import load_target, stop_token_ids
-from .prompts import ALL_TASKS, TASKS, chat_ids, format_prompt, load_tasks
+from .prompts import ALL_TASKS, TASKS, encode_prompt, format_prompt, load_tasks
 from .policy import costs_for
 from .settings import DEFAULT_DRAFT, METHODS, TREE_SCORES, DecodeSettings, HelpFormatter, cache_dir
 from .results import Result, mean_tau, width_shares
@@ -649,7 +649,7 @@ def main(argv=None):
         if drafter is not None and not args.no_prepack:
             prepack_linears(drafter)
         stop_ids = stop_token_ids(model, tokenizer)
-        prompts = {task: [chat_ids(tokenizer, format_prompt(task, t)) for t in ts] for task, ts in texts.items()}
+        prompts = {task: [encode_prompt(tokenizer, format_prompt(task, t)) for t in ts] for task, ts in texts.items()}
     if drafter is not None:  # record what ran
         args.draft_dtype = str(next(drafter.parameters()).dtype).removeprefix("torch.")
         args.attn_backend = drafter.attn_backend

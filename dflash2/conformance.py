@@ -155,7 +155,8 @@ def main(argv=None):
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from transformers import AutoTokenizer
 
-    from .pair import encode_prompt, resolve_target
+    from .pair import resolve_target
+    from .prompts import encode_prompt
 
     texts = list(args.prompt)
     if args.task:

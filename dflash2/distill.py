@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from .machine import half_dtype
 from .pair import load_target, stop_token_ids
-from .prompts import FOLLOW_UPS, SELF_INSTRUCT_KINDS, SELF_INSTRUCT_TOPICS, chat_ids, filter_generated, training_prompts
+from .prompts import (FOLLOW_UPS, SELF_INSTRUCT_KINDS, SELF_INSTRUCT_TOPICS, encode_prompt, filter_generated,
+                      training_prompts)
 from .settings import check_sampling_params
 from .target import cache_kwarg
 from .verify import process_logits
@@ -145,7 +146,7 @@ def make_data(args):
     for path in args.prompts_file:  # prompts the target wrote (`dflash2.train prompts`): strings or conversations
         prompts += read_prompts_file(path)
     random.Random(args.seed).shuffle(prompts)
-    encoded = [chat_ids(tok, p) for p in prompts]
+    encoded = [encode_prompt(tok, p) for p in prompts]
     if args.exclude:  # later stages: skip prompts an earlier `dflash2.train data` run already answered
         seen = seen_prompts(args.exclude)
         keep = [i for i, e in enumerate(encoded) if tuple(e) not in seen]
@@ -203,7 +204,7 @@ def _reply_texts(model, tok, prompts: list, max_new_tokens: int, batch_size: int
     stop = set(stop_token_ids(model, tok))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     out = []
-    encoded = [chat_ids(tok, p) for p in prompts]
+    encoded = [encode_prompt(tok, p) for p in prompts]
     for k in tqdm(range(0, len(encoded), batch_size), desc=desc):
         if deadline is not None and k and time.monotonic() > deadline:
             break

@@ -1,5 +1,5 @@
 """Loading: a target (any transformers causal LM, the embedded GGUF default, MiniMax-M3 checkpoints)
-and its drafter, together and checked to fit; prompts through the chat template."""
+and its drafter, together and checked to fit (prompts.encode_prompt puts a prompt through the chat template)."""
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -111,17 +111,6 @@ def check_pair(lm, drafter):
         raise InputError(f"drafter hidden_size {dc.hidden_size} does not match the target's {cfg.hidden_size}")
     if dc.vocab_size != rows:
         raise InputError(f"drafter vocab_size {dc.vocab_size} does not match the target's LM head ({rows} rows)")
-
-
-def encode_prompt(tok, text, system=None, chat=True):
-    """Token ids of one user turn through the chat template with the generation prompt, or of raw text."""
-    if not chat:
-        return tok(text)["input_ids"]
-    if not tok.chat_template:
-        raise InputError("the target's tokenizer has no chat template; pass --no-chat-template")
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tok(rendered, add_special_tokens=False)["input_ids"]
 
 
 # --- the target ---

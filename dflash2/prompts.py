@@ -1,21 +1,21 @@
-"""Training prompts for self-distillation: benchmark training splits and synthetic prompt sets.
+"""Prompts: the training sources for self-distillation, the evaluation tasks (load_tasks, format_prompt) and the
+one chat encoder (encode_prompt).
 
-`training_prompts(data_dir, sources, seed)` is the one entry point; `python -m dflash2.train data`
-has the target answer these prompts. The synthetic sets (templates, word lists, made-up coding tasks) are the
-data files of prompt_data/, written for this project, not taken from any benchmark; this module reads and fills
-them (`_make` describes a template). No evaluation set is read (tests/test_train.py checks every source against
-them). The same sources and seed give the same prompts in the same order.
+`training_prompts(data_dir, sources, seed)` gives the prompts `python -m dflash2.train data` has the target answer.
+The synthetic sets are the data files of prompt_data/ (str.format templates, word lists, made-up coding tasks),
+written for this project, not taken from any benchmark; `fill` fills a template. No generated prompt is a
+near-duplicate of an evaluation prompt (evaluation_screen). The same sources and seed give the same prompts.
 """
-import ast
-import functools
+import collections
 import gzip
 import inspect
 import json
-import operator
 import random
 import re
 import string
 from pathlib import Path
+
+from .settings import InputError
 
 _DATA = Path(__file__).parent / "prompt_data"
 
@@ -41,100 +41,136 @@ SELF_INSTRUCT_TOPICS = tuple(_SELF_INSTRUCT["topics"])
 SELF_INSTRUCT_KINDS = tuple(_SELF_INSTRUCT["kinds"])
 
 # --------------------------------------------------------------------------- filling templates
+#
+# math.json, talk.json and talk2.json hold templates: str.format strings whose {fields} are plain names (a format
+# spec such as {b:+d} at most). A field is drawn from the pool of its name: a word list (the file's "words" or the
+# template's own) or a range of integers (the template's "numbers": [lo, hi] or [lo, hi, step], both ends in).
+# Fields that differ only by a number at the end ({name1}, {name2}) draw different items of the same pool. A value
+# worked out from drawn ones (a quadratic's coefficients from its roots) comes from the function the template names
+# in "compute": its parameters are fields drawn as above, and it returns more fields.
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Pow: operator.pow,
-        ast.USub: operator.neg, ast.Lt: operator.lt}
-
-
-@functools.cache  # a template is filled thousands of times: parse each expression once
-def _parse(expression: str) -> ast.expr:
-    return ast.parse(expression, mode="eval").body
-
-
-def _value(node: ast.expr, env: dict):
-    """Value of a template expression: a small part of Python (literals, names, arithmetic, calls of env's
-    functions, f-strings, one-loop comprehensions), evaluated left to right as Python would, so that the draws
-    from the random generator come in the order the templates' authors wrote them."""
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.Name):
-        return env[node.id]
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return [_value(e, env) for e in node.elts]
-    if isinstance(node, ast.BinOp):
-        return _OPS[type(node.op)](_value(node.left, env), _value(node.right, env))
-    if isinstance(node, ast.UnaryOp):
-        return _OPS[type(node.op)](_value(node.operand, env))
-    if isinstance(node, ast.Compare) and len(node.ops) == 1:
-        return _OPS[type(node.ops[0])](_value(node.left, env), _value(node.comparators[0], env))
-    if isinstance(node, ast.IfExp):
-        return _value(node.body if _value(node.test, env) else node.orelse, env)
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-        return env[node.func.id](*[_value(a, env) for a in node.args])
-    if isinstance(node, ast.Subscript):
-        return _value(node.value, env)[_value(node.slice, env)]
-    if isinstance(node, ast.Slice):
-        return slice(*[part and _value(part, env) for part in (node.lower, node.upper, node.step)])
-    if isinstance(node, ast.JoinedStr):
-        return "".join(_value(part, env) for part in node.values)
-    if isinstance(node, ast.FormattedValue):
-        return format(_value(node.value, env), _value(node.format_spec, env) if node.format_spec else "")
-    if isinstance(node, ast.ListComp) and len(node.generators) == 1 and not node.generators[0].ifs:
-        loop, out = node.generators[0], []
-        for item in _value(loop.iter, env):
-            inner = dict(env)
-            _bind(loop.target, item, inner)
-            out.append(_value(node.elt, inner))
-        return out
-    raise ValueError(f"template expression not supported: {ast.unparse(node)}")
+def monic_quadratic(r, s):
+    """x^2 + bx + c = (x - r)(x - s)."""
+    return {"b": -(r + s), "c": r * s}
 
 
-def _bind(target: ast.expr, value, env: dict):
-    """Assign value to a name or unpack it into a tuple of names, as `a, (b, c) = value`."""
-    if isinstance(target, ast.Name):
-        env[target.id] = value
-    else:
-        for t, v in zip(target.elts, value, strict=True):
-            _bind(t, v, env)
+def radicand(root, squarefree):
+    return {"radicand": root * root * squarefree}
 
 
-def _fill(template: str, env: dict) -> str:
-    """A template's text with each {expression} or {expression:spec} replaced, as an f-string would."""
-    out = []
-    for literal, field, spec, _ in string.Formatter().parse(template):
-        out.append(literal)
-        if field is not None:
-            out.append(format(_value(_parse(field), env), spec))
-    return "".join(out)
+def remainders(prime1, prime2, r1, r2):
+    return {"remainder1": r1 % prime1, "remainder2": r2 % prime2}
 
 
-def _make(maker, env: dict) -> str:
-    """One prompt from a maker of prompt_data/: a template; a list of makers, of which one is drawn; or
-    {"let": {names: expression, ...}, "text": maker}, whose names are bound in order before the text is made."""
-    if isinstance(maker, str):
-        return _fill(maker, env)
-    if isinstance(maker, list):
-        return _make(env["pick"](maker), env)
-    env = dict(env)
-    for target, expression in maker.get("let", {}).items():
-        _bind(_parse(target), _value(_parse(expression), env), env)
-    return _make(maker["text"], env)
+def circle(h, k, r):
+    """x^2 + dx + y^2 + ey + f = 0 for the circle of centre (h, k) and radius r."""
+    return {"d": -2 * h, "e": -2 * k, "f": h * h + k * k - r * r}
 
 
-def _maker_env(words: dict, rng: random.Random) -> dict:
-    """What templates may name: the file's word lists, draws from rng and a few pure helpers."""
-    return {**words, "pick": rng.choice, "randint": rng.randint, "randrange": rng.randrange, "sample": rng.sample,
-            "range": range, "min": min, "sorted": sorted, "join": lambda sep, items: sep.join(map(str, items))}
+def product(small, large):
+    return {"n": small * large}
 
 
-def _unique(make, n: int, tries: int = 20) -> list[str]:
-    """Up to n distinct prompts from a random generator (stops after n * tries draws)."""
-    seen = {}
+def power(base, exponent):
+    return {"power": base**exponent}
+
+
+def arithmetic_start(first, step):
+    return {"second": first + step, "third": first + 2 * step}
+
+
+def geometric_start(first, ratio):
+    return {"second": first * ratio, "third": first * ratio * ratio}
+
+
+def banknote(notebooks, notebook_price, pens, pen_price):
+    """The smallest of a $50 and a $100 note that pays the bill."""
+    return {"note": 50 if notebooks * notebook_price + pens * pen_price < 50 else 100}
+
+
+def years_to_twice(times, younger):
+    """In (times - 2) * younger years, someone times as old as younger is twice as old."""
+    return {"years": (times - 2) * younger}
+
+
+def sum_and_product(number1, number2):
+    return {"total": number1 + number2, "product": number1 * number2}
+
+
+def mixture(percent1, percent2, percent3):
+    """Three strengths: the target lies between the weak and the strong one."""
+    weak, target, strong = sorted((percent1, percent2, percent3))
+    return {"weak": weak, "target": target, "strong": strong}
+
+
+def sequence(start, step, rule):
+    """The first five terms of an arithmetic, a geometric or a shifted-square sequence."""
+    terms = {"arithmetic": lambda i: start + step * i, "geometric": lambda i: start * step**i,
+             "square": lambda i: (start + i) ** 2 + step}[rule]
+    return {"terms": ", ".join(str(terms(i)) for i in range(5))}
+
+
+COMPUTE = {f.__name__: f for f in (monic_quadratic, radicand, remainders, circle, product, power, arithmetic_start,
+                                   geometric_start, banknote, years_to_twice, sum_and_product, mixture, sequence)}
+
+
+def template_fields(template: str) -> list[str]:
+    """The field names of a str.format template, each once, in order."""
+    return list(dict.fromkeys(name for _, name, _, _ in string.Formatter().parse(template) if name is not None))
+
+
+def template_pools(template: dict, words: dict) -> dict:
+    """The pools a template draws from: the file's word lists, its own, and its ranges of integers."""
+    numbers = {name: range(lo, hi + 1, *step) for name, (lo, hi, *step) in template.get("numbers", {}).items()}
+    return {**words, **template.get("words", {}), **numbers}
+
+
+def fill(template, words: dict, rng: random.Random) -> str:
+    """One prompt from a template of a prompt_data file: a string, or {"text": a string or a list of them, of which
+    one is drawn; optional "words", "numbers" and "compute"}."""
+    template = {"text": template} if isinstance(template, str) else template
+    text = template["text"] if isinstance(template["text"], str) else rng.choice(template["text"])
+    pools, used = template_pools(template, words), {}
+
+    def draw(field):
+        pool = field.rstrip(string.digits)
+        taken = used.setdefault(pool, set())
+        if len(taken) == len(pools[pool]):
+            raise ValueError(f"{field}: every item of the pool {pool!r} is taken")
+        while (item := rng.choice(pools[pool])) in taken:
+            pass
+        taken.add(item)
+        return item
+
+    values = {}
+    if "compute" in template:
+        compute = COMPUTE[template["compute"]]
+        values = {name: draw(name) for name in inspect.signature(compute).parameters}
+        values.update(compute(**values))
+    for field in template_fields(text):
+        if field not in values:
+            values[field] = draw(field)
+    return text.format(**values)
+
+
+def _unique(make, n: int, near, tries: int = 20) -> list[str]:
+    """Up to n distinct prompts from a random generator, none near an evaluation prompt (n * tries draws at most)."""
+    kept, seen = [], set()
     for _ in range(n * tries):
-        seen.setdefault(make(), None)
-        if len(seen) == n:
+        prompt = make()
+        if prompt not in seen and not near(prompt):
+            kept.append(prompt)
+        seen.add(prompt)
+        if len(kept) == n:
             break
-    return list(seen)
+    return kept
+
+
+def _templated(name: str, n: int, rng: random.Random, near) -> list[str]:
+    """n prompts from a file of templates: one drawn uniformly (within a category drawn uniformly), then filled."""
+    data = _load(name)
+    groups = list(data["templates"].values()) if isinstance(data["templates"], dict) else [data["templates"]]
+    return _unique(lambda: fill(rng.choice(rng.choice(groups)), data.get("words", {}), rng), n, near)
 
 
 # --------------------------------------------------------------------------- prompt sources
@@ -209,30 +245,6 @@ def _code2_prompts() -> list[str]:
     return out
 
 
-def _math_prompts(n: int, rng: random.Random) -> list[str]:
-    """Competition-style problems with LaTeX (random numbers in math.json's templates), in the MATH-500 format."""
-    data = _load("math")
-    env = _maker_env({}, rng)
-    return _unique(lambda: _make(data["makers"], env) + GSM8K_SUFFIX, n)
-
-
-def _talk_prompts(n: int, rng: random.Random) -> list[str]:
-    """Open-ended chat in MT-Bench's categories (writing, roleplay, reasoning, extraction, STEM,
-    humanities, advice), from talk.json's templates and word lists."""
-    data = _load("talk")
-    env = _maker_env(data["words"], rng)
-    return _unique(lambda: _make(data["makers"], env), n)
-
-
-def _talk2_prompts(n: int, rng: random.Random) -> list[str]:
-    """More open-ended chat in MT-Bench's eight categories (writing, roleplay, reasoning, math, coding,
-    extraction, STEM, humanities) from talk2.json: a category is drawn, then one of its templates."""
-    data = _load("talk2")
-    env = _maker_env(data["words"], rng)
-    categories = list(data["makers"].values())
-    return _unique(lambda: _make(categories, env), n)
-
-
 def _documented_names() -> list[tuple[str, str]]:
     """(qualified name, docstring) of the public functions and classes of DOC_MODULES, in a fixed order."""
     import importlib
@@ -249,12 +261,11 @@ def _documented_names() -> list[tuple[str, str]]:
                 warnings.simplefilter("ignore", DeprecationWarning)
                 obj = getattr(mod, attr)
                 doc = inspect.getdoc(obj) or ""
-            if attr.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+            if attr.startswith("_") or len(doc) < 60 or not (
+                    inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
                 continue
             if getattr(obj, "__module__", mod_name) not in (mod_name, None) and not mod_name.startswith("os"):
                 continue  # re-exported from elsewhere
-            if len(doc) < 60:
-                continue
             paras = doc.split("\n\n")
             text = paras[0]
             for para in paras[1:]:
@@ -265,7 +276,7 @@ def _documented_names() -> list[tuple[str, str]]:
     return out
 
 
-def _docs_prompts(n: int, rng: random.Random) -> list[str]:
+def _docs_prompts(n: int, rng: random.Random, near) -> list[str]:
     """Requests about the documentation of installed code: explain, summarize, rewrite, use this API (docs.json's
     asks, where {name} is the documented object, {doc} its docstring's first paragraphs, {other} a sibling)."""
     named = _documented_names()
@@ -278,10 +289,10 @@ def _docs_prompts(n: int, rng: random.Random) -> list[str]:
         mod = name.rsplit(".", 1)[0]
         siblings = [m for m, _ in named if m.rsplit(".", 1)[0] == mod and m != name] or [m for m, _ in named]
         return rng.choice(asks).format(name=name, doc=doc, other=rng.choice(siblings))
-    return _unique(make, n)
+    return _unique(make, n, near)
 
 
-# --------------------------------------------------------------------------- filtering and chat ids
+# --------------------------------------------------------------------------- filtering and the chat template
 
 def normalized_words(text: str) -> frozenset[str]:
     """Lower-case word set, for near-duplicate checks."""
@@ -290,14 +301,13 @@ def normalized_words(text: str) -> frozenset[str]:
 
 def near_duplicate(a: frozenset, b: frozenset, threshold: float = 0.6) -> bool:
     """Jaccard overlap of two word sets at or above the threshold."""
-    return bool(a and b) and len(a & b) / len(a | b) >= threshold
+    shared = len(a & b)
+    return bool(a and b) and shared / (len(a) + len(b) - shared) >= threshold
 
 
 def evaluation_texts(data_dir: str) -> list[str]:
     """Every evaluation prompt: GSM8K test, MATH-500, HumanEval, MBPP test (11-510), MT-Bench turns, and our own
     held-out chat set (`bench --tasks chat-heldout`). Generated training prompts are filtered against these."""
-    import gzip
-
     root = Path(data_dir)
     out = [json.loads(line)["question"] for line in open(root / "gsm8k" / "test.jsonl")]
     out += [json.loads(line)["question"] for line in open(root / "math500" / "test.jsonl")]
@@ -310,19 +320,46 @@ def evaluation_texts(data_dir: str) -> list[str]:
     return out
 
 
-def filter_generated(candidates: list[str], data_dir: str, threshold: float = 0.6) -> list[str]:
-    """Keep generated prompts that are neither near-duplicates of an earlier kept one nor of any evaluation
-    prompt (word-set Jaccard >= threshold, or one contains the other's first 60 characters)."""
+def evaluation_screen(data_dir: str, threshold: float = 0.6):
+    """near(text): whether a text is a near-duplicate of an evaluation prompt: word-set Jaccard >= threshold, or it
+    contains the prompt's first 60 characters. A text meets only the few prompts an index finds:
+
+    - Jaccard (prefix filtering): order every word set rarest word first (by how many evaluation prompts hold it);
+      two sets with Jaccard >= t share at least t * len words of each, so their rarest common word is among the
+      first len - ceil(t * len) + 1 words of both. Prompts are indexed under those words of theirs;
+    - heads: indexed under their first k characters, looked up at each position of the text."""
     evals = evaluation_texts(data_dir)
-    eval_words = [normalized_words(e) for e in evals]
-    eval_heads = [e.strip()[:60].lower() for e in evals]
+    sets = [normalized_words(e) for e in evals]
+    holders = collections.Counter(w for words in sets for w in words)
+
+    def rarest(words):
+        return sorted(words, key=lambda w: (holders[w], w))[: len(words) - int(threshold * len(words)) + 1]
+
+    index, heads = collections.defaultdict(list), collections.defaultdict(list)
+    for i, words in enumerate(sets):
+        for w in rarest(words):
+            index[w].append(i)
+    starts = {h for h in (e.strip()[:60].lower() for e in evals) if h}
+    k = min([8, *map(len, starts)])
+    for head in starts:
+        heads[head[:k]].append(head)
+
+    def near(text: str) -> bool:
+        low, words = text.lower(), normalized_words(text)
+        found = {i for w in rarest(words) for i in index.get(w, ())}
+        return (any(low.startswith(h, i) for i in range(len(low)) for h in heads.get(low[i:i + k], ()))
+                or any(near_duplicate(words, sets[i], threshold) for i in found))
+    return near
+
+
+def filter_generated(candidates: list[str], data_dir: str, threshold: float = 0.6) -> list[str]:
+    """Keep generated prompts that are neither near-duplicates of an earlier kept one (word-set Jaccard >= threshold)
+    nor of any evaluation prompt (evaluation_screen)."""
+    near = evaluation_screen(data_dir, threshold)
     kept, kept_words = [], []
     for c in candidates:
         w = normalized_words(c)
-        low = c.lower()
-        if any(near_duplicate(w, k, threshold) for k in kept_words):
-            continue
-        if any(h in low for h in eval_heads) or any(near_duplicate(w, e, threshold) for e in eval_words):
+        if any(near_duplicate(w, k, threshold) for k in kept_words) or near(c):
             continue
         kept.append(c)
         kept_words.append(w)
@@ -330,6 +367,7 @@ def filter_generated(candidates: list[str], data_dir: str, threshold: float = 0.
 
 
 PROMPT_SOURCES = ("gsm8k", "mbpp", "chat", "math", "code", "talk", "code2", "talk2", "docs")
+GENERATED = PROMPT_SOURCES[2:]  # written for this project: screened against the evaluation prompts
 
 
 def training_prompts(data_dir: str, sources=("gsm8k", "mbpp", "chat"), seed: int = 0,
@@ -341,13 +379,15 @@ def training_prompts(data_dir: str, sources=("gsm8k", "mbpp", "chat"), seed: int
     writes itself (self-instruct, multi-turn) come from `python -m dflash2.train prompts` and `data --prompts-file`.
     New sources draw from `rng` after the older ones, so adding one never changes the older sources' prompts.
 
-    Evaluation sets (GSM8K test, MATH-500, HumanEval, MBPP test 11-510, MT-Bench) are never read here.
+    The evaluation sets (GSM8K test, MATH-500, HumanEval, MBPP test 11-510, MT-Bench, held-out chat) are read only
+    to drop every generated prompt that is a near-duplicate of one of theirs (evaluation_screen).
     """
     unknown = set(sources) - set(PROMPT_SOURCES)
     if unknown:
         raise ValueError(f"unknown prompt source(s) {sorted(unknown)}; choose from {', '.join(PROMPT_SOURCES)}")
     root = Path(data_dir)
     rng = random.Random(seed)
+    near = evaluation_screen(data_dir) if set(sources) & set(GENERATED) else None
     prompts = []
     if "gsm8k" in sources:
         with open(root / "gsm8k" / "train.jsonl") as f:
@@ -359,31 +399,39 @@ def training_prompts(data_dir: str, sources=("gsm8k", "mbpp", "chat"), seed: int
             if stub:
                 prompts.append(HUMANEVAL_WRAP.format(prompt=stub))
     if "chat" in sources:
-        prompts += _general_prompts()
-    if "math" in sources:
-        prompts += _math_prompts(num_math, rng)
+        prompts += [p for p in _general_prompts() if not near(p)]
+    if "math" in sources:  # the problem is screened, then given the benchmark's suffix
+        prompts += [p + GSM8K_SUFFIX for p in _templated("math", num_math, rng, near)]
     if "code" in sources:
-        prompts += _code_prompts(data_dir)
+        prompts += [p for p in _code_prompts(data_dir) if not near(p)]
     if "talk" in sources:
-        prompts += _talk_prompts(num_talk, rng)
+        prompts += _templated("talk", num_talk, rng, near)
     if "code2" in sources:
-        prompts += _code2_prompts()
+        prompts += [p for p in _code2_prompts() if not near(p)]
     if "talk2" in sources:
-        prompts += _talk2_prompts(num_talk, rng)
+        prompts += _templated("talk2", num_talk, rng, near)
     if "docs" in sources:
-        prompts += _docs_prompts(num_docs, rng)
+        prompts += _docs_prompts(num_docs, rng, near)
     return prompts
 
 
-def chat_ids(tokenizer, prompt, system: str | None = None) -> list[int]:
-    """Token ids of a prompt through the target's chat template, with the generation prompt. `prompt` is one
-    user turn (a string) or a conversation (a list of {"role", "content"} messages ending with a user turn)."""
+def encode_prompt(tokenizer, prompt, system: str | None = None, chat: bool = True) -> list[int]:
+    """Token ids of a prompt through the target's chat template, with the generation prompt. `prompt` is one user
+    turn (a string) or a conversation (a list of {"role", "content"} messages ending with a user turn); system, if
+    given, goes first. chat=False: the tokenizer's ids of the raw text (its special tokens included).
+
+    The template is rendered to text and the text tokenized without added special tokens, as transformers does
+    for apply_chat_template(tokenize=True); on SmolLM2 the two give the same ids."""
+    if not chat:
+        if not isinstance(prompt, str):
+            raise InputError("a conversation needs the chat template")
+        return list(tokenizer(prompt)["input_ids"])
+    if not tokenizer.chat_template:
+        raise InputError("the target's tokenizer has no chat template; pass --no-chat-template")
     turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    msgs = ([{"role": "system", "content": system}] if system else []) + turns
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    if not isinstance(ids, list):
-        ids = ids["input_ids"]
-    return list(ids)
+    messages = ([{"role": "system", "content": system}] if system else []) + turns
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
 # --- the evaluation prompts (the bench reads them; training never does) ---

@@ -27,7 +27,7 @@ from .distill import (check_device, ddp_teardown, generate_with_features, genera
 from .fit import train
 from .model import DFlash2Drafter
 from .pair import load_target, stop_token_ids
-from .prompts import PROMPT_SOURCES, chat_ids, format_prompt, load_tasks, training_prompts
+from .prompts import PROMPT_SOURCES, encode_prompt, format_prompt, load_tasks, training_prompts
 from .settings import DEFAULT_TARGET, DTYPE_NAMES, HelpFormatter
 from .results import mean_tau
 from .spec_decode import generate
@@ -52,7 +52,7 @@ def measure_tau(model, tok, drafter, data_dir, deadline, max_new_tokens=128):
         if i and time.monotonic() + took > deadline:  # the next prompt would end past the deadline
             break
         start = time.monotonic()
-        ids = chat_ids(tok, format_prompt(task, tasks[task][i]))
+        ids = encode_prompt(tok, format_prompt(task, tasks[task][i]))
         results[task] += generate(target, drafter, [ids], max_new_tokens=max_new_tokens, stop_ids=stops)
         took = time.monotonic() - start
     return {t: {"tau": mean_tau(r), "prompts": len(r)} for t, r in results.items()}
@@ -98,7 +98,7 @@ def run(args):
 
     # 2. responses: greedy and T = 1 batches in turn (RUN_RULE); features stored on a CPU, else recomputed in training
     features = args.features if args.features is not None else device.type == "cpu"
-    encoded = [chat_ids(tok, p) for p in prompts]
+    encoded = [encode_prompt(tok, p) for p in prompts]
     stop, pad = set(stop_token_ids(model, tok)), tok.pad_token_id if tok.pad_token_id is not None else 0
     (out / "data" / "meta.json").write_text(json.dumps({"target": args.target, "taps": taps, "features": features,
                                                        "max_new_tokens": args.max_new_tokens, "top_p": 0.95}))

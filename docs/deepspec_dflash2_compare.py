@@ -26,7 +26,8 @@ import torch
 
 from dflash2 import model as ours_model
 from dflash2.model import CandidateSelector
-from dflash2.pair import encode_prompt, load_pair
+from dflash2.pair import load_pair
+from dflash2.prompts import encode_prompt
 
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
           "How many clips did she sell?")

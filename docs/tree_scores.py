@@ -32,7 +32,7 @@ from tqdm import tqdm
 from dflash2.bench import format_prompt, load_tasks
 from dflash2.model import DraftContext
 from dflash2.pair import load_pair, stop_token_ids
-from dflash2.prompts import chat_ids
+from dflash2.prompts import encode_prompt
 from dflash2.spec_decode import draft, generate, tree_mask
 from dflash2.verify import build_tree, marginal_log_weights, process_logits, selector_log_weights
 
@@ -184,7 +184,7 @@ def continuation_blocks(pair, stop, task, text, seed, args, spare):
     cache of the whole continuation with its length max_len (room for `spare` more slots)."""
     target, drafter, tok = pair.target, pair.drafter, pair.tokenizer
     B = drafter.config.block_size
-    ids = chat_ids(tok, format_prompt(task, text))
+    ids = encode_prompt(tok, format_prompt(task, text))
     y = generate(target, drafter, [ids], method="ar", max_new_tokens=args.max_new_tokens, stop_ids=stop,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)[0].tokens
     R = len(y) - 1  # anchors y[0 .. R-1]; the last token needs no step

@@ -24,7 +24,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import dflash2_ref  # noqa: E402
-from dflash2.pair import encode_prompt, load_pair, stop_token_ids  # noqa: E402
+from dflash2.pair import load_pair, stop_token_ids  # noqa: E402
+from dflash2.prompts import encode_prompt  # noqa: E402
 from dflash2.settings import DecodeSettings  # noqa: E402
 from dflash2.trace import run  # noqa: E402
 from targets import reference_greedy, tiny_drafter, tiny_target  # noqa: E402

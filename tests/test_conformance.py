@@ -235,7 +235,7 @@ def test_topk_ties_break_alike():
 
 
 def golden_prompts():
-    from dflash2.pair import encode_prompt
+    from dflash2.prompts import encode_prompt
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(GOLDEN / "target")

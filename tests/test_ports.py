@@ -367,7 +367,8 @@ def test_speculators_agrees_on_the_embedded_pair(spec):
     """The embedded drafter over the embedded SmolLM2-135M target, float32: the target's own tapped
     features of a chat prompt, blocks anchored at four of its tokens (contexts far inside the 2048
     window). Every stage agrees within float32 rounding, and the selector's greedy path too."""
-    from dflash2.pair import encode_prompt, load_pair
+    from dflash2.pair import load_pair
+    from dflash2.prompts import encode_prompt
 
     pair = load_pair(None, None, "cpu", torch.float32, draft_dtype=torch.float32, prepack=False)
     ours, lm = pair.drafter, pair.target.model
@@ -396,7 +397,7 @@ def test_speculators_agrees_on_the_embedded_pair(spec):
 def golden_prompts():
     from transformers import AutoTokenizer
 
-    from dflash2.pair import encode_prompt
+    from dflash2.prompts import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(GOLDEN / "target")
     return [encode_prompt(tok, p) for p in ("the time of day", "what is it that we can make", "long")]

@@ -381,39 +381,6 @@ def test_gpu_script_carries_the_payload_in_parts_and_runs_end_to_end_on_the_cpu(
     assert subprocess.run(["bash", str(repo / "docs" / "gpu_train.sh"), "fly"], capture_output=True).returncode == 2
 
 
-def test_training_prompts_never_contain_evaluation_text():
-    """Every prompt source is built without the test sets: no GSM8K test question, MATH-500 problem,
-    HumanEval prompt, MBPP test task or MT-Bench turn appears in any training prompt."""
-    import gzip
-    from pathlib import Path
-
-    import pytest
-
-    from targets import DATA_DIR as root
-
-    if not root.is_dir():  # as tests/test_bench.py's needs_data
-        pytest.skip(f"benchmark data not found at {root} (set DFLASH2_DATA_DIR to a copy of the ../shared/data layout)")
-    prompts = train.training_prompts(str(root), sources=train.PROMPT_SOURCES, seed=0, num_math=300, num_talk=300)
-    assert len(prompts) == len(set(prompts)) > 8000
-    blob = "\n\x00".join(prompts)
-    evals = [json.loads(line)["question"] for line in open(root / "gsm8k" / "test.jsonl")]
-    evals += [json.loads(line)["question"] for line in open(root / "math500" / "test.jsonl")]
-    evals += [json.loads(line)["prompt"] for line in gzip.open(root / "humaneval" / "HumanEval.jsonl.gz", "rt")]
-    mbpp = json.loads((root / "mbpp" / "sanitized-mbpp.json").read_text())
-    evals += [r[k] for r in mbpp if 11 <= r["task_id"] <= 510 for k in ("prompt", "code")]
-    evals += [json.loads(line)["turns"][0] for line in open(root / "mt_bench" / "question.jsonl")]
-    heldout = (Path(train.__file__).parent / "heldout" / "chat.txt").read_text().splitlines()
-    assert len([h for h in heldout if h.strip()]) >= 100
-    evals += [h for h in heldout if h.strip()]  # our own held-out chat set (bench --tasks chat-heldout)
-    assert len(evals) > 1500
-    leaked = [e[:60] for e in evals if e.strip()[:80] in blob]
-    assert not leaked
-    # the default sources are the stage 1-2 set, and unknown sources are refused
-    assert len(train.training_prompts(str(root))) == 8035
-    with pytest.raises(ValueError, match="unknown prompt source"):
-        train.training_prompts(str(root), sources=("gsm8k", "wiki"))
-
-
 def test_seen_prompts_reads_every_answered_prompt(tmp_path):
     """`python -m dflash2.train data --exclude DIR` skips prompts already answered in DIR: the set holds exactly the
     prompt ids of every stored sequence (not the responses), and an empty folder is an error."""
@@ -425,27 +392,6 @@ def test_seen_prompts_reads_every_answered_prompt(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no shard"):
         distill.seen_prompts([tmp_path / "empty"])
-
-
-def test_generated_prompts_lose_duplicates_and_evaluation_text():
-    """`dflash2.train prompts` keeps a generated prompt only if it is not a near-duplicate of one already kept nor of
-    any evaluation prompt (a held-out chat line or an MT-Bench turn, reworded in small ways, is dropped)."""
-    import pytest
-
-    from dflash2.prompts import evaluation_texts, filter_generated
-    from targets import DATA_DIR as root
-
-    if not root.is_dir():
-        pytest.skip(f"benchmark data not found at {root} (set DFLASH2_DATA_DIR to a copy of the ../shared/data layout)")
-    evals = evaluation_texts(str(root))
-    heldout = [h for h in (Path(train.__file__).parent / "heldout" / "chat.txt").read_text().splitlines() if h.strip()]
-    mt = json.loads(open(root / "mt_bench" / "question.jsonl").readline())["turns"][0]
-    assert heldout[0] in evals and mt in evals
-    fresh = ["How do I keep a basil plant alive on a windowsill in winter?",
-             "What should I pack for a three-day hike in the desert?"]
-    candidates = [fresh[0], fresh[0].replace("basil", "Basil") + " ", heldout[3], heldout[7].lower() + " please",
-                  "Please " + mt, fresh[1], mt.upper()]
-    assert filter_generated(candidates, str(root)) == fresh
 
 
 def test_generated_questions_are_cleaned():
@@ -462,7 +408,7 @@ def test_multi_turn_prompts_are_conversations_the_data_step_reads(tmp_path):
     """prompts --kind multi-turn: each row is user turn, the target's greedy answer to it, a follow-up; `data`
     reads the file and encodes the whole conversation with the chat template."""
     from dflash2.pair import load_target, stop_token_ids
-    from dflash2.prompts import FOLLOW_UPS, chat_ids
+    from dflash2.prompts import FOLLOW_UPS, encode_prompt
     from tiny_tokenizer import tiny_tokenizer
 
     model = tiny_target("llama", vocab=64, hidden=32, layers=3)
@@ -482,10 +428,10 @@ def test_multi_turn_prompts_are_conversations_the_data_step_reads(tmp_path):
     stop = set(stop_token_ids(target, tok2))
     for conv in rows:
         assert [m["role"] for m in conv] == ["user", "assistant", "user"] and conv[2]["content"] in FOLLOW_UPS
-        first = chat_ids(tok2, conv[0]["content"])
+        first = encode_prompt(tok2, conv[0]["content"])
         greedy = distill.generate_with_features(target, [first], [0], 24, stop, 1)[0][0][len(first):].tolist()
         assert conv[1]["content"] == tok2.decode([t for t in greedy if t not in stop], skip_special_tokens=True).strip()
-        ids = chat_ids(tok2, conv)
+        ids = encode_prompt(tok2, conv)
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in conv) + "<|im_start|>assistant\n"
         assert ids == tok2(text, add_special_tokens=False)["input_ids"]
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
@@ -493,42 +439,3 @@ def test_multi_turn_prompts_are_conversations_the_data_step_reads(tmp_path):
 
     with pytest.raises(SystemExit, match="neither"):
         distill.read_prompts_file(tmp_path / "bad.jsonl")
-
-
-def test_prompt_data_files_and_word_lists_are_all_used(tmp_path, monkeypatch):
-    """Every file of dflash2/prompt_data is read when prompts.py loads and builds every source, and every word list
-    in a file is named by one of that file's templates: no data is left behind that no prompt draws from."""
-    import ast
-    import importlib.util
-    import string
-
-    data = Path(train.__file__).parent / "prompt_data"
-    read, real_read = [], Path.read_text
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: read.append(self) or real_read(self, *a, **k))
-    spec = importlib.util.spec_from_file_location("fresh_prompts", data.parent / "prompts.py")
-    prompts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prompts)
-    (tmp_path / "mbpp").mkdir()  # one MBPP training row stands in for the benchmark data
-    (tmp_path / "mbpp" / "sanitized-mbpp.json").write_text(json.dumps(
-        [{"task_id": 600, "prompt": "Add two numbers.", "code": "def add(a, b):\n    return a + b"}]))
-    sources = [s for s in prompts.PROMPT_SOURCES if s != "gsm8k"]  # gsm8k is only the benchmark's own file
-    assert prompts.training_prompts(str(tmp_path), sources, num_math=10, num_talk=10, num_docs=10)
-    files = sorted(p.name for p in data.glob("*.json"))
-    assert files and sorted({p.name for p in read if p.parent == data}) == files
-
-    def names(maker) -> set[str]:
-        """The names a maker's expressions use: its let bindings' and its templates' {fields}."""
-        if isinstance(maker, list):
-            return set().union(*map(names, maker))
-        if isinstance(maker, dict):
-            exprs = list(maker.get("let", {}).values())
-            return names(maker["text"]) | {n.id for e in exprs for n in ast.walk(ast.parse(e))
-                                           if isinstance(n, ast.Name)}
-        fields = [f for _, f, _, _ in string.Formatter().parse(maker) if f]
-        return {n.id for f in fields for n in ast.walk(ast.parse(f)) if isinstance(n, ast.Name)}
-
-    for name in files:
-        content = json.loads((data / name).read_text())
-        makers = content.get("makers", [])
-        used = names(list(makers.values()) if isinstance(makers, dict) else makers)
-        assert not set(content.get("words", {})) - used, name
