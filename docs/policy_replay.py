@@ -46,8 +46,8 @@ class FullBlock(Policy):
 
 
 def record(specs, data_dir, max_new_tokens):
-    from dflash2.pair import encode_prompt, load_pair, stop_token_ids
-    from dflash2.prompts import format_prompt, load_tasks
+    from dflash2.pair import load_pair, stop_token_ids
+    from dflash2.prompts import encode_prompt, format_prompt, load_tasks
     from dflash2.settings import cache_dir
 
     pair = load_pair()
