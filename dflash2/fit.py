@@ -290,7 +290,7 @@ def train(args, target=None):
     loss_of = _Loss(drafter, dspark_loss if dspark else drafter_loss)
     if world > 1:  # find_unused_parameters: a batch with no gold token among the selector's candidates skips it
         loss_of = torch.nn.parallel.DistributedDataParallel(loss_of, device_ids=[device.index] if device.index is not None
-                                                            else None, find_unused_parameters=True)
+                                                            else None, find_unused_parameters=not dspark)
     # DSpark weighs its slots k = 0..B-1 by exp(-k/gamma), DFlash 2 its drafts k = 1..B-1 by exp(-(k-1)/gamma)
     slots = args.block_size + dspark
     weights = position_weights(slots, args.gamma or default_gamma(slots)).to(device)

@@ -125,9 +125,10 @@ def run(args):
     say("responses", f"{sum(counts.values())} ({counts[0.0]} greedy, {counts[1.0]} at T = 1), {tokens} tokens")
 
     # 3. training; the drafter is written every --save-minutes and at the end
-    targs = build_parser().parse_args(["train", "--out", str(out), "--arch", args.arch, "--seed", str(args.seed), "--threads",
-                                       str(args.threads), "--warmup", "20", "--save-every", str(10**9), "--anchors", "16",
-                                       "--batch-seqs", str(args.batch_seqs or (128 if device.type == "cuda" else 8))])
+    targs = build_parser().parse_args(["train", "--out", str(out), "--arch", args.arch, "--seed", str(args.seed),
+                                       "--threads", str(args.threads), "--warmup", "20", "--save-every", str(10**9),
+                                       "--anchors", "16", "--batch-seqs",
+                                       str(args.batch_seqs or (128 if device.type == "cuda" else 8))])
     targs.init, targs.device, targs.deadline, targs.save_minutes = args.init, str(device), end["train"], args.save_minutes
     _, history = train(targs, target=model)
     last = history[-50:]
@@ -245,7 +246,8 @@ def build_parser():
     t = sub.add_parser("train", help="fit a drafter on the self-distilled data", formatter_class=HelpFormatter)
     t.add_argument("--out", default="runs/smollm2", help="directory holding data/ (from `dflash2.train data`)")
     t.add_argument("--arch", choices=ARCHS, default="dflash2", help=ARCH_HELP)
-    t.add_argument("--steps", type=int, default=2000, help="optimizer steps (linear warmup, then cosine decay to lr/10)")
+    t.add_argument("--steps", type=int, default=2000,
+                   help="optimizer steps (linear warmup, then cosine decay to lr/10); ignored with --minutes")
     t.add_argument("--minutes", type=float, default=None,
                    help="train for this wall-clock budget instead of --steps, counted from the first step (loading "
                         "excluded); the cosine schedule ends at the deadline, at the pace so far (as in `run`)")

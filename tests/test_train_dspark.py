@@ -189,10 +189,10 @@ def test_train_minutes_stops_at_the_deadline_with_the_schedule_ended(tmp_path):
     args.steps, args.minutes, args.warmup = 5, 0.05, 1  # --steps is ignored under a deadline
     for arch in ("dspark", "dflash2"):
         args.arch, args.block_size = arch, None
-        start = time.monotonic()
         _, history = fit.train(args, target=model)
-        assert time.monotonic() - start < 3.0 + 2.0  # loading, then 3 s of steps
-        assert len(history) > 10 and history[-1]["wall_s"] <= 3.5
+        wall = [h["wall_s"] for h in history]
+        assert len(wall) > 10 and wall[-2] < 3.0  # every step but the last ended before the deadline,
+        assert wall[-1] + (wall[-1] - wall[-2]) > 2.9  # and the last stopped because one more would end past it
         assert history[-1]["lr"] < 0.2 * args.lr and history[len(history) // 5]["lr"] > 0.5 * args.lr
         assert len(history[-1]["acc"]) == 7  # the default blocks, DSpark's 7 and DFlash 2's 8: 7 drafts each
     parsed = train.build_parser().parse_args(["train", "--arch", "dspark", "--minutes", "1"])
@@ -200,8 +200,9 @@ def test_train_minutes_stops_at_the_deadline_with_the_schedule_ended(tmp_path):
 
 
 def test_run_dspark_on_a_tiny_target_writes_a_lossless_drafter(tmp_path, capsys):
-    """`run --arch dspark` on a CPU: the shards hold the features and the final hidden states, the drafter written is
-    DSpark's without the target's tables, τ is measured with the dspark loop, and it decodes the target's greedy output."""
+    """`run --arch dspark` on a CPU: the shards hold the features and the final hidden states, the drafter written
+    is DSpark's without the target's tables, τ is measured with the dspark loop, and it decodes the target's greedy
+    output."""
     model, target_dir = _tiny_target_dir(tmp_path)
     minutes = 0.25
     start = time.monotonic()
