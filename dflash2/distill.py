@@ -72,10 +72,13 @@ def ddp_teardown():
 @torch.no_grad()
 def generate_with_features(model, prompts: list[list[int]], taps: list[int], max_new_tokens: int,
                            stop_ids: set[int], pad_id: int, temperature: float = 0.0, top_p: float = 1.0,
-                           generator: torch.Generator | None = None, deadline: float | None = None):
+                           generator: torch.Generator | None = None, deadline: float | None = None,
+                           last_hidden: bool = False):
     """Batched generation (left padded) on the model's device that also returns the tapped hidden states of every
     token fed to the target: features[i] is [len_i - 1, n*H] bf16 on the CPU for sequence i (the last token is never
-    fed); None for every sequence when taps is empty.
+    fed); None for every sequence when taps is empty. Rows are (ids, features), or with last_hidden (and taps)
+    (ids, features, last): the final normed hidden state [len_i - 1, H] bf16, from which the LM head gives the
+    target's next-token logits at every fed position (DSpark's loss needs that distribution).
 
     Greedy at temperature 0; else each token is drawn from verify.process_logits (temperature, top-p), the law users
     sample from, so the drafter also learns the target's sampled continuations. At time.monotonic() > deadline the
@@ -98,8 +101,9 @@ def generate_with_features(model, prompts: list[list[int]], taps: list[int], max
     for _ in range(max_new_tokens):
         out = model(input_ids=inp, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
                     output_hidden_states=bool(taps), **{cache_kw: cache})  # logits of the last position only
-        if taps:
-            feats.append(torch.cat([out.hidden_states[l + 1] for l in taps], dim=-1).to("cpu", torch.bfloat16))
+        if taps:  # hidden_states[-1] is the decoder's output after its final norm (transformers ties it)
+            tapped = [out.hidden_states[l + 1] for l in taps] + ([out.hidden_states[-1]] if last_hidden else [])
+            feats.append(torch.cat(tapped, dim=-1).to("cpu", torch.bfloat16))
         if temperature > 0:
             probs = process_logits(out.logits[:, -1].float(), temperature, top_p=top_p)
             nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
@@ -119,15 +123,22 @@ def generate_with_features(model, prompts: list[list[int]], taps: list[int], max
     if not taps:
         return [(s, None) for s in seqs]
     # the prompt's own positions, then each drawn token but the last
-    return [(s, torch.cat([feats[0][i, width - len(p):]] + ([later[i, : counts[i] - 1]] if later is not None else [])))
+    rows = [(s, torch.cat([feats[0][i, width - len(p):]] + ([later[i, : counts[i] - 1]] if later is not None else [])))
             for i, (s, p) in enumerate(zip(seqs, prompts))]
+    if not last_hidden:
+        return rows
+    H = feats[0].shape[-1] // (len(taps) + 1)
+    return [(s, f[:, :-H], f[:, -H:]) for s, f in rows]
 
 
 def save_shard(path: Path, rows, prompt_lens):
-    """One shard of self-distilled sequences: token ids, prompt lengths and, if generated, the features."""
+    """One shard of self-distilled sequences: token ids, prompt lengths and, if generated, the features and the
+    target's final hidden states (rows of generate_with_features)."""
     shard = {"ids": [r[0] for r in rows], "prompt_lens": list(prompt_lens)}
     if rows[0][1] is not None:
         shard["features"] = [r[1] for r in rows]
+    if len(rows[0]) > 2:
+        shard["last_hidden"] = [r[2] for r in rows]
     torch.save(shard, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").rename(path)
 
@@ -155,7 +166,8 @@ def make_data(args):
     prompts, encoded = prompts[: args.max_prompts], encoded[: args.max_prompts]
     stop = set(stop_token_ids(model, tok))
     meta = {"target": args.target, "taps": taps, "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
-            "temperature": args.temperature, "top_p": args.top_p, "features": args.features}
+            "temperature": args.temperature, "top_p": args.top_p, "features": args.features,
+            "last_hidden": args.features}
     (out / "meta.json").write_text(json.dumps(meta))
     shards = [list(range(i, min(i + args.batch_size, len(encoded)))) for i in range(0, len(encoded), args.batch_size)]
     torch.set_num_threads(args.threads)
@@ -167,7 +179,7 @@ def make_data(args):
         gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + k)  # per shard, so a resumed run draws alike
         rows = generate_with_features(model, [encoded[i] for i in idx], taps if args.features else [],
                                       args.max_new_tokens, stop, pad, temperature=args.temperature, top_p=args.top_p,
-                                      generator=gen)
+                                      generator=gen, last_hidden=args.features)
         save_shard(path, rows, [len(encoded[i]) for i in idx])
 
 
@@ -285,12 +297,18 @@ def seen_prompts(data_dirs) -> set[tuple[int, ...]]:
     return seen
 
 
-def load_shards(data_dir: Path):
-    """All self-distilled sequences: (token ids [L], features [L-1, n*H] bf16 or None if not stored, prompt length)."""
+def load_shards(data_dir: Path, last_hidden=False):
+    """All self-distilled sequences: (token ids [L], features [L-1, n*H] bf16 or None if not stored, prompt length).
+
+    last_hidden: the features carry the target's final hidden state as H more columns, [L-1, n*H + H]; a shard
+    that did not store it gives None (the trainer then recomputes both from the target)."""
     seqs = []
     for path in sorted(Path(data_dir).glob("shard_*.pt")):
         shard = torch.load(path)
         feats = shard.get("features") or [None] * len(shard["ids"])
+        if last_hidden:
+            last = shard.get("last_hidden") or [None] * len(feats)
+            feats = [None if f is None or h is None else torch.cat([f, h], -1) for f, h in zip(feats, last)]
         seqs += [(i, f, p) for i, f, p in zip(shard["ids"], feats, shard["prompt_lens"]) if len(i) >= p + 2]
     if not seqs:
         raise FileNotFoundError(f"no training shards in {data_dir}: run `python -m dflash2.train data` first")
@@ -304,15 +322,17 @@ def generation_dtype(name, device):
     return getattr(torch, name) if name else half_dtype(device)
 
 
-def target_features(model, seqs, taps, bf16=True):
+def target_features(model, seqs, taps, bf16=True, last_hidden=False):
     """The frozen target's tapped hidden states over each sequence but its last token, computed now instead of read
-    from a shard: [S, L, n*H] float32 on the model's device. Sequences are right padded: causal attention never
-    looks at the padding, and no block's context reaches past its own anchor."""
+    from a shard: [S, L, n*H] float32 on the model's device (with last_hidden, [S, L, n*H + H]: the final normed
+    hidden state after them, as load_shards gives). Sequences are right padded: causal attention never looks at the
+    padding, and no block's context reaches past its own anchor."""
     ids = torch.zeros(len(seqs), max(len(i) for i, _, _ in seqs) - 1, dtype=torch.long)
     for s, (i, _, _) in enumerate(seqs):
         ids[s, : len(i) - 1] = i[:-1]
     with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):  # the decoder alone: no LM head
-        hs = model.get_decoder()(input_ids=ids.to(model.device), output_hidden_states=True, use_cache=False).hidden_states
-    return torch.cat([hs[l + 1] for l in taps], dim=-1).float()
+        out = model.get_decoder()(input_ids=ids.to(model.device), output_hidden_states=True, use_cache=False)
+    tapped = [out.hidden_states[l + 1] for l in taps] + ([out.last_hidden_state] if last_hidden else [])
+    return torch.cat(tapped, dim=-1).float()
 
 

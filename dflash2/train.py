@@ -1,15 +1,16 @@
-"""Train a DFlash 2 drafter for a target model by self-distillation.
+"""Train a DFlash 2 (or DSpark) drafter for a target model by self-distillation.
 
     python -m dflash2.train data  --data-dir ../shared/data --out runs/smollm2      # target writes its own responses
     python -m dflash2.train train --out runs/smollm2 --steps 2000                   # fit the drafter on them
+    python -m dflash2.train train --out runs/smollm2 --arch dspark --minutes 60     # a DSpark drafter, on a budget
     python -m dflash2.train run --minutes 10 --out runs/gpu --device cuda           # the whole recipe in 10 minutes
 
 Data: the target answers training prompts, greedily or sampled (`data --temperature`); we keep the token ids and,
 on a CPU, the target's tapped hidden states (the drafter's context features), so training never runs the target
 again; without them (`data --no-features`, and `run`) training recomputes the features from the frozen target on
 the fly, as a GPU does faster than it could read them. Loss (SPEC §6): position-decayed cross-entropy over the
-draft slots plus the selector's cross-entropy over its K candidates. The prompts come from prompts.py
-(`training_prompts`).
+draft slots plus the selector's cross-entropy over its K candidates; `--arch dspark` trains DSpark with DeepSpec's
+loss instead (fit.dspark_loss, docs/DSPARK.md). The prompts come from prompts.py (`training_prompts`).
 """
 import argparse
 import itertools
@@ -24,6 +25,7 @@ import torch
 from .checkpoint import spread_target_layer_ids
 from .distill import (check_device, ddp_teardown, generate_with_features, generation_dtype, make_data, make_prompts,
                       save_shard, self_instruct, usage_error)
+from .dspark import DSparkDrafter
 from .fit import train
 from .model import DFlash2Drafter
 from .pair import load_target, stop_token_ids
@@ -46,6 +48,7 @@ def measure_tau(model, tok, drafter, data_dir, deadline, max_new_tokens=128):
     """τ as bench.py measures it (greedy, one prompt at a time, mean over prompts of tokens per verify step) on
     chat-heldout and GSM8K, the two tasks taking turns until the deadline; at least one prompt each."""
     tasks = load_tasks(("chat-heldout", "gsm8k"), data_dir, 100)
+    method = "dspark" if isinstance(drafter, DSparkDrafter) else "dflash2"
     target, stops = Target(model, drafter.config.target_layer_ids), stop_token_ids(model, tok)
     results, took = {task: [] for task in tasks}, 0.0
     for i, task in itertools.product(range(100), tasks):
@@ -53,7 +56,7 @@ def measure_tau(model, tok, drafter, data_dir, deadline, max_new_tokens=128):
             break
         start = time.monotonic()
         ids = encode_prompt(tok, format_prompt(task, tasks[task][i]))
-        results[task] += generate(target, drafter, [ids], max_new_tokens=max_new_tokens, stop_ids=stops)
+        results[task] += generate(target, drafter, [ids], method=method, max_new_tokens=max_new_tokens, stop_ids=stops)
         took = time.monotonic() - start
     return {t: {"tau": mean_tau(r), "prompts": len(r)} for t, r in results.items()}
 
@@ -71,7 +74,9 @@ def run(args):
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         usage_error("run is one process: under torchrun use `data` and `train`")
     (out / "data").mkdir(parents=True, exist_ok=True)
-    report = {"minutes": args.minutes, "device": str(device), "target": args.target or DEFAULT_TARGET, "init": args.init}
+    report = {"minutes": args.minutes, "device": str(device), "target": args.target or DEFAULT_TARGET, "init": args.init,
+              "arch": args.arch}
+    kind = DSparkDrafter if args.arch == "dspark" else DFlash2Drafter
 
     def say(phase, text):
         left = max(0.0, end["tau"] - time.monotonic())
@@ -82,7 +87,7 @@ def run(args):
     batch_size = args.batch_size or (512 if device.type == "cuda" else 16)
     model, tok = load_target(args.target, device=device, dtype=generation_dtype(None, device))
     n_layers = model.config.num_hidden_layers
-    taps = (DFlash2Drafter.from_pretrained(args.init).config.target_layer_ids if args.init
+    taps = (kind.from_pretrained(args.init).config.target_layer_ids if args.init
             else sorted(set(spread_target_layer_ids(n_layers, min(5, n_layers)))))
     say("load", f"target {report['target']} ({n_layers} layers) on {device}, taps {taps}")
 
@@ -98,10 +103,12 @@ def run(args):
 
     # 2. responses: greedy and T = 1 batches in turn (RUN_RULE); features stored on a CPU, else recomputed in training
     features = args.features if args.features is not None else device.type == "cpu"
+    last_hidden = features and args.arch == "dspark"  # the target's final hidden state: p in DSpark's loss
     encoded = [encode_prompt(tok, p) for p in prompts]
     stop, pad = set(stop_token_ids(model, tok)), tok.pad_token_id if tok.pad_token_id is not None else 0
     (out / "data" / "meta.json").write_text(json.dumps({"target": args.target, "taps": taps, "features": features,
-                                                       "max_new_tokens": args.max_new_tokens, "top_p": 0.95}))
+                                                       "last_hidden": last_hidden, "max_new_tokens": args.max_new_tokens,
+                                                       "top_p": 0.95}))
     batches = [range(i, min(i + batch_size, len(encoded))) for i in range(0, len(encoded), batch_size)]
     counts, tokens = {0.0: 0, 1.0: 0}, 0
     for k, (second, (j, idx)) in enumerate(itertools.product((0, 1), enumerate(batches))):
@@ -110,16 +117,18 @@ def run(args):
         temperature = float((j + second) % 2)
         gen = torch.Generator(device).manual_seed(args.seed * 1_000_003 + k)
         rows = generate_with_features(model, [encoded[i] for i in idx], taps if features else [], args.max_new_tokens,
-                                      stop, pad, temperature, 0.95 if temperature else 1.0, gen, end["responses"])
+                                      stop, pad, temperature, 0.95 if temperature else 1.0, gen, end["responses"],
+                                      last_hidden=last_hidden)
         save_shard(out / "data" / f"shard_{k:05d}.pt", rows, [len(encoded[i]) for i in idx])
         counts[temperature] += len(rows)
         tokens += sum(len(r[0]) - len(encoded[i]) for r, i in zip(rows, idx))
     say("responses", f"{sum(counts.values())} ({counts[0.0]} greedy, {counts[1.0]} at T = 1), {tokens} tokens")
 
     # 3. training; the drafter is written every --save-minutes and at the end
-    targs = build_parser().parse_args(["train", "--out", str(out), "--seed", str(args.seed), "--threads",
-                                       str(args.threads), "--warmup", "20", "--save-every", str(10**9), "--anchors", "16",
-                                       "--batch-seqs", str(args.batch_seqs or (128 if device.type == "cuda" else 8))])
+    targs = build_parser().parse_args(["train", "--out", str(out), "--arch", args.arch, "--seed", str(args.seed),
+                                       "--threads", str(args.threads), "--warmup", "20", "--save-every", str(10**9),
+                                       "--anchors", "16", "--batch-seqs",
+                                       str(args.batch_seqs or (128 if device.type == "cuda" else 8))])
     targs.init, targs.device, targs.deadline, targs.save_minutes = args.init, str(device), end["train"], args.save_minutes
     _, history = train(targs, target=model)
     last = history[-50:]
@@ -127,7 +136,7 @@ def run(args):
                  f"slot-1 accuracy {sum(h['acc'][0] for h in last) / len(last):.3f}; drafter in {out / 'drafter'}")
 
     # 4. tau of the written drafter, loaded back from its files
-    drafter = DFlash2Drafter.from_pretrained(out / "drafter", device=device, attn_backend="sdpa")
+    drafter = kind.from_pretrained(out / "drafter", device=device, attn_backend="sdpa")
     tau = measure_tau(model, tok, drafter, args.data_dir, end["tau"])
     report["tau_by_task"] = tau
     say("tau", ", ".join(f"{t} {r['tau']:.2f} ({r['prompts']} prompts)" for t, r in tau.items()))
@@ -160,14 +169,17 @@ def plot_history(history, path, window=50, before=()):
     steps = [h["step"] for h in history]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax1.plot(steps, smooth([h["ce"] for h in history]), label="draft CE (position-weighted)")
-    ax1.plot(steps, smooth([h["selector_ce"] for h in history]), label="selector CE")
+    for key, label in (("selector_ce", "selector CE"), ("l1", "L1(q, p)"), ("confidence_bce", "confidence BCE")):
+        if key in history[0]:  # DFlash 2's selector, or DSpark's other terms
+            ax1.plot(steps, smooth([h[key] for h in history]), label=label)
     ax1.set_xlabel("step")
     ax1.set_ylabel("loss")
     ax1.set_yscale("log")
     ax1.legend()
     for k in range(len(history[0]["acc"])):
         ax2.plot(steps, smooth([h["acc"][k] for h in history]), label=f"slot {k + 1}")
-    ax2.plot(steps, smooth([h["selector_acc"] for h in history]), "k--", label="selector (gold in C_t)")
+    if "selector_acc" in history[0]:
+        ax2.plot(steps, smooth([h["selector_acc"] for h in history]), "k--", label="selector (gold in C_t)")
     ax2.set_xlabel("step")
     ax2.set_ylabel("top-1 accuracy")
     for start in starts:
@@ -176,6 +188,12 @@ def plot_history(history, path, window=50, before=()):
     ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
+
+
+ARCHS = ("dflash2", "dspark")
+ARCH_HELP = ("the drafter to train: dflash2, or dspark (DeepSpec's DSpark: the same backbone and batches, a Markov "
+             "head and a confidence head, DeepSpec's loss; written without copies of the target's embedding and LM "
+             "head; docs/DSPARK.md)")
 
 
 def build_parser():
@@ -199,7 +217,8 @@ def build_parser():
     d.add_argument("--batch-size", type=int, default=32, help="prompts generated together; one shard each (a GPU: 512)")
     d.add_argument("--device", default="cpu", help=device_help + "; under torchrun each rank writes every n-th shard")
     d.add_argument("--features", action=argparse.BooleanOptionalAction, default=True,
-                   help="store the tapped hidden states (6 KB a token for SmolLM2); --no-features keeps token ids "
+                   help="store the tapped hidden states and the final one (7 KB a token for SmolLM2; the final one "
+                        "gives `train --arch dspark` the target's distribution); --no-features keeps token ids "
                         "only and `train` recomputes the features from the target at each step (the GPU way)")
     d.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     d.add_argument("--seed", type=int, default=0, help="prompt shuffle and sampling seed")
@@ -226,15 +245,25 @@ def build_parser():
                     help="target dtype for generation (default: bfloat16 where native, else float32)")
     t = sub.add_parser("train", help="fit a drafter on the self-distilled data", formatter_class=HelpFormatter)
     t.add_argument("--out", default="runs/smollm2", help="directory holding data/ (from `dflash2.train data`)")
-    t.add_argument("--steps", type=int, default=2000, help="optimizer steps (linear warmup, then cosine decay to lr/10)")
+    t.add_argument("--arch", choices=ARCHS, default="dflash2", help=ARCH_HELP)
+    t.add_argument("--steps", type=int, default=2000,
+                   help="optimizer steps (linear warmup, then cosine decay to lr/10); ignored with --minutes")
+    t.add_argument("--minutes", type=float, default=None,
+                   help="train for this wall-clock budget instead of --steps, counted from the first step (loading "
+                        "excluded); the cosine schedule ends at the deadline, at the pace so far (as in `run`)")
     t.add_argument("--batch-seqs", type=int, default=8, help="sequences per step")
     t.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
-    t.add_argument("--block-size", type=int, default=8, help="anchor + drafts per block (a new drafter only)")
-    t.add_argument("--gamma", type=float, default=None, help="position decay (default 4 for block 8)")
+    t.add_argument("--block-size", type=int, default=None,
+                   help="a new drafter's block: dflash2, anchor + drafts (default 8); dspark, slots that each propose "
+                        "(default 7). Both defaults verify 7 drafts and the target's token a step")
+    t.add_argument("--gamma", type=float, default=None,
+                   help="position decay (default 4 for 7 drafts: DFlash 2's block 8, DSpark's block 7)")
     t.add_argument("--layers", type=int, default=2, help="drafter layers (a new drafter only)")
     t.add_argument("--intermediate-size", type=int, default=1536, help="drafter MLP width (a new drafter only)")
-    t.add_argument("--rank", type=int, default=24, help="selector rank r")
-    t.add_argument("--top-k", type=int, default=16, help="selector candidates K")
+    t.add_argument("--rank", type=int, default=24,
+                   help="dflash2: selector rank r; dspark: Markov head rank (2 x vocab x rank weights; DeepSpec's 256 "
+                        "would be 25M on a 49152 vocab, more than the whole DFlash 2 drafter, so the same 24 here)")
+    t.add_argument("--top-k", type=int, default=16, help="selector candidates K (dflash2)")
     t.add_argument("--mask-token-id", type=int, default=16, help="token id of the masked draft slots")
     t.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate")
     t.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
@@ -260,6 +289,7 @@ def build_parser():
                        formatter_class=HelpFormatter, description=RUN_RULE)
     r.add_argument("--minutes", type=float, required=True, help="wall-clock budget, loading included")
     r.add_argument("--out", required=True, help="run directory: data/, drafter/ (published format), run.json")
+    r.add_argument("--arch", choices=ARCHS, default="dflash2", help=ARCH_HELP + "; --init must be one")
     r.add_argument("--device", default="cpu", help=device_help)
     r.add_argument("--target", default=None, help=target_help + ", in bf16 where native, else float32")
     r.add_argument("--data-dir", default="../shared/data", help="GSM8K/MBPP/... files: prompt sources, eval filter, tau")
