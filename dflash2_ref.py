@@ -17,8 +17,8 @@ import traceback
 import warnings
 from pathlib import Path
 
-from dflash2.settings import (DEFAULT_DRAFT, DEFAULT_TARGET, DTYPE_NAMES, METHODS, TREE_SCORES, DecodeSettings,
-                              HelpFormatter, InputError, LoadError, SettingError, WALKS, drafter_block_size, one_line)
+from dflash2.settings import (DEFAULT_DRAFT, DEFAULT_DSPARK_DRAFT, DEFAULT_TARGET, DTYPE_NAMES, METHODS, TREE_SCORES,
+                              DecodeSettings, HelpFormatter, InputError, LoadError, SettingError, WALKS, drafter_block_size, one_line)
 
 
 def auto_or_int(text):
@@ -46,7 +46,8 @@ def build_parser():
     p.add_argument("--no-chat-template", action="store_true", help="raw completion of the prompt text")
     p.add_argument("--target", default=DEFAULT_TARGET,
                    help="target model: directory or hub id (default: the embedded SmolLM2-135M-Instruct, %(default)s)")
-    p.add_argument("--draft", default=DEFAULT_DRAFT.name, help="drafter: directory or hub id (default: the embedded %(default)s)")
+    p.add_argument("--draft", default=None, help=f"drafter: directory or hub id (default: the embedded {DEFAULT_DRAFT.name}, "
+                                                  f"or {DEFAULT_DSPARK_DRAFT.name} with --method dspark)")
     p.add_argument("--method", choices=METHODS, default="dflash2",
                    help="dflash2: selector walk; dflash: per-slot argmax (v1); ar: plain decoding; dflash2-tree: "
                         "verify a tree of the top-K candidates (docs/SPEC.md §9)")
@@ -92,7 +93,10 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if args.draft is None:  # each method's embedded drafter
+        args.draft = DEFAULT_DSPARK_DRAFT.name if args.method == "dspark" else DEFAULT_DRAFT.name
+    return args
 
 
 # DecodeSettings field -> the flag that sets it (an error names the flag the user typed)

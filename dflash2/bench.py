@@ -25,11 +25,12 @@ from tqdm import tqdm
 
 from . import machine, spec_decode
 from .kernels import check_attn_backend, prepack_linears
+from .dspark import DSparkDrafter
 from .model import DFlash2Drafter
 from .pair import load_target, stop_token_ids
 from .prompts import ALL_TASKS, TASKS, encode_prompt, format_prompt, load_tasks
 from .policy import costs_for
-from .settings import DEFAULT_DRAFT, METHODS, TREE_SCORES, DecodeSettings, HelpFormatter, cache_dir
+from .settings import DEFAULT_DRAFT, DEFAULT_DSPARK_DRAFT, METHODS, TREE_SCORES, DecodeSettings, HelpFormatter, cache_dir
 from .results import Result, mean_tau, width_shares
 from .spec_decode import compile_core, generate
 from .target import Target
@@ -161,6 +162,15 @@ def method_settings(label, args, stop_ids=(), **fields):
                        policy="fixed" if width or args.compile else args.policy, walk=args.walk)
     return dataclasses.replace(s, **fields)
 
+
+
+def bench_drafter(kind, path, args, draft_dtype):
+    """A drafter of `kind` (DFlash2Drafter or DSparkDrafter) from `path`, in this machine's dtype, packed."""
+    drafter = kind.from_pretrained(path, device=args.device, dtype=draft_dtype, attn_backend=args.attn_backend)
+    drafter = drafter.to(machine.draft_dtype(args.device, next(drafter.parameters()).dtype, draft_dtype)[0])
+    if not args.no_prepack:
+        prepack_linears(drafter)
+    return drafter
 
 
 def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, desc, timings=None):
@@ -548,6 +558,8 @@ def build_parser():
     ap = argparse.ArgumentParser(prog="dflash2-bench", description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--target", default=None, help="target dir or hub id (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT), help="drafter checkpoint dir or hub id")
+    ap.add_argument("--dspark-draft", default=str(DEFAULT_DSPARK_DRAFT),
+                    help="the DSpark drafter --methods dspark runs with (default: the embedded one)")
     ap.add_argument("--data-dir", default="../shared/data", help="local data (else the hub via `datasets`)")
     ap.add_argument("--tasks", type=_names(ALL_TASKS), default=list(TASKS),
                     help=f"comma-separated, of {','.join(ALL_TASKS)} (default: the five tasks of the model card)")
@@ -630,6 +642,7 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     draft_dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else None
     if args.synthetic:
+        dspark = None
         model, drafter = synthetic_pair(args.synthetic, args.synthetic_layers, args.device, dtype, draft_dtype,
                                         args.attn_backend, prepack=not args.no_prepack, seed=args.seed)
         g = torch.Generator().manual_seed(args.seed)
@@ -641,20 +654,27 @@ def main(argv=None):
     else:
         texts = load_tasks(args.tasks, args.data_dir, args.num_prompts)
         model, tokenizer = load_target(args.target, device=args.device, dtype=dtype, prepack=not args.no_prepack)
-        drafter = None
-        if any(method_settings(m, args).method in METHODS and m != "ar" for m in args.methods):
-            drafter = DFlash2Drafter.from_pretrained(args.draft, device=args.device, dtype=draft_dtype,
-                                                     attn_backend=args.attn_backend)
-            drafter = drafter.to(machine.draft_dtype(args.device, next(drafter.parameters()).dtype, draft_dtype)[0])
-        if drafter is not None and not args.no_prepack:
-            prepack_linears(drafter)
+        kinds = {method_settings(m, args).method for m in args.methods if m not in PEERS}
+        drafter = dspark = None
+        if kinds & {"dflash2", "dflash", "dflash2-tree"}:
+            drafter = bench_drafter(DFlash2Drafter, args.draft, args, draft_dtype)
+        if "dspark" in kinds:  # its own drafter (--dspark-draft), on the same target
+            dspark = bench_drafter(DSparkDrafter, args.dspark_draft, args, draft_dtype)
+            if drafter is not None and drafter.config.target_layer_ids != dspark.config.target_layer_ids:
+                raise SystemExit(f"--draft and --dspark-draft tap different target layers "
+                                 f"({drafter.config.target_layer_ids} vs {dspark.config.target_layer_ids})")
         stop_ids = stop_token_ids(model, tokenizer)
         prompts = {task: [encode_prompt(tokenizer, format_prompt(task, t)) for t in ts] for task, ts in texts.items()}
     if drafter is not None:  # record what ran
         args.draft_dtype = str(next(drafter.parameters()).dtype).removeprefix("torch.")
         args.attn_backend = drafter.attn_backend
     args.machine = machine.machine().describe()
-    target = Target(model, drafter.config.target_layer_ids if drafter is not None else ())
+    tapping = drafter if drafter is not None else dspark
+    target = Target(model, tapping.config.target_layer_ids if tapping is not None else ())
+
+    def draft_for(m):  # the drafter a method runs with
+        return dspark if m not in PEERS and method_settings(m, args).method == "dspark" else drafter
+
     eager = core_functions(target, drafter)
     maybe_compile(target, drafter, args.compile)
     zlab, zlab_missing = load_zlab(args.draft, model, not args.no_prepack) if "zlab" in args.methods else (None, None)
@@ -680,7 +700,8 @@ def main(argv=None):
             if not (m == "zlab" and zlab is None):
                 run_peer(model, m, [first], args, stop_ids, f"warm-up {m}", zlab=zlab, max_new_tokens=8)
             continue
-        generate(target, drafter, [first], method_settings(m, args, max_new_tokens=args.max_new_tokens if args.compile else 8))
+        generate(target, draft_for(m), [first],
+                 method_settings(m, args, max_new_tokens=args.max_new_tokens if args.compile else 8))
 
     if args.alternate:
         compiled = core_functions(target, drafter)
@@ -712,7 +733,7 @@ def main(argv=None):
                     results, wall = run_peer(model, m, prompts[task], args, stop_ids, f"{task} {m} c={c}", timings,
                                              zlab)
                 else:
-                    results, wall = run_method(target, drafter, prompts[task], m, c, args, stop_ids,
+                    results, wall = run_method(target, draft_for(m), prompts[task], m, c, args, stop_ids,
                                                f"{task} {m} c={c}", timings)
                 outputs[task, m, c] = [r.tokens for r in results]
                 tokens = sum(len(r.tokens) for r in results)

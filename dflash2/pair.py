@@ -13,7 +13,7 @@ from .kernels import prepack_linears
 from .dspark import ARCHITECTURE as DSPARK_ARCHITECTURE, DSparkDrafter
 from .model import DFlash2Drafter
 from .target import Target, fix_partial_rotary, text_config
-from .settings import DEFAULT_DRAFT, cache_dir, DEFAULT_TARGET, InputError, LoadError, is_hub_id, local_checkpoint, one_line
+from .settings import DEFAULT_DRAFT, DEFAULT_DSPARK_DRAFT, cache_dir, DEFAULT_TARGET, InputError, LoadError, is_hub_id, local_checkpoint, one_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,7 +60,7 @@ def resolve_draft(name):
     if local is not None and not local.is_dir():
         raise InputError(f"drafter {name or DEFAULT_DRAFT.name}: no such checkpoint directory ({local})")
     if local is not None:
-        return (DEFAULT_DRAFT.name if local == DEFAULT_DRAFT else name), local
+        return ({DEFAULT_DRAFT: DEFAULT_DRAFT.name, DEFAULT_DSPARK_DRAFT: DEFAULT_DSPARK_DRAFT.name}.get(local, name)), local
     try:
         return name, resolve_checkpoint(name)
     except (OSError, FileNotFoundError) as e:

