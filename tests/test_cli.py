@@ -191,3 +191,14 @@ def test_default_pair_greedy_matches_autoregressive(capsys):
     report = json.loads(out)
     assert report["identical"] is True and report["completion_tokens"] >= 1
     assert report["target"] == settings.DEFAULT_TARGET
+
+
+@pytest.mark.slow
+def test_default_dspark_pair_greedy_matches_autoregressive(capsys):
+    """--method dspark with no --draft runs the embedded DSpark drafter on the embedded target, losslessly."""
+    rc, out, err = cli(capsys, "--method", "dspark", "--prompt", "What is 12 + 30?", "--max-new-tokens", "16",
+                       "--baseline", "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["identical"] is True and report["completion_tokens"] >= 1
+    assert report["method"] == "dspark" and report["draft"] == settings.DEFAULT_DSPARK_DRAFT.name

@@ -257,3 +257,15 @@ def test_dspark_runs_from_the_command_line_and_its_trace_replays(tmp_path, capsy
     assert dflash2_ref.main(["--target", str(GOLDEN / "target"), "--draft", str(GOLDEN / "draft"), "--method",
                              "dspark", "--prompt", "x"]) == 2
     assert "'dspark' needs a DSpark drafter" in capsys.readouterr().err
+
+
+def test_embedded_dspark_drafter_shares_the_targets_tables():
+    """The shipped DSpark drafter carries no copy of the target's embedding or LM head (it borrows them)."""
+    from safetensors import safe_open
+
+    from dflash2.settings import DEFAULT_DSPARK_DRAFT
+
+    with safe_open(DEFAULT_DSPARK_DRAFT / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    assert any("markov" in n for n in names) and any("confidence" in n for n in names)
+    assert not any("embed_tokens" in n or "lm_head" in n for n in names)
