@@ -424,6 +424,15 @@ def tables(rows, tasks, methods, concurrencies):
                 cells.append(f"{min(s):.2f}×–{max(s):.2f}× ({statistics.mean(s):.2f}×)" if None not in s
                              else _shown(cell[tasks[0], m, c], "–"))
             out.append(f"| {m} | " + " | ".join(cells) + " |")
+    per_prompt = [r for r in rows if r.get("prompt_speedups")]
+    if per_prompt:  # --interleave
+        out += ["", "Each prompt's speedup over ar (--interleave: each method timed on the prompt in turn): "
+                    "lowest, median, prompts below 0.95× and below 1.0×\n",
+                "| task | method | lowest | median | < 0.95× | < 1.0× |", "|---|---|---|---|---|---|"]
+        for r in per_prompt:
+            x = r["prompt_speedups"]
+            out.append(f"| {r['task']} | {r['method']} | {min(x):.2f}× | {statistics.median(x):.2f}× | "
+                       f"{sum(v < 0.95 for v in x)} of {len(x)} | {sum(v < 1.0 for v in x)} of {len(x)} |")
     reasons = sorted({r["cannot_run"] for r in rows if r.get("cannot_run")})
     if reasons:
         out += ["", "Not run:"] + [f"- {why}" for why in reasons]
@@ -593,6 +602,9 @@ def build_parser():
     ap.add_argument("--alternate", type=int, default=0, metavar="N",
                     help="with --compile: decode N rounds, eager then compiled each round, in one process, and "
                          "print tok/s per round (a drifting machine hits both modes alike)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="concurrency 1: time prompt by prompt, every method on a prompt in turn (rotating order), "
+                         "so a drifting machine hits each method alike; adds each prompt's speedup over ar")
     ap.add_argument("--no-prepack", action="store_true",
                     help="CPU: keep aten's linears instead of oneDNN with pre-packed weights")
     ap.add_argument("--profile", action="store_true",
@@ -625,6 +637,8 @@ def main(argv=None):
         raise SystemExit("--alternate N needs N >= 1 and --compile (it alternates eager and compiled runs)")
     if args.pld_sweep:
         args.methods, args.concurrency = ["hf-pld"], [1]
+    if args.interleave and (args.concurrency != [1] or args.alternate):
+        raise SystemExit("--interleave times one prompt at a time: it needs --concurrency 1 (and no --alternate)")
     if args.tree_budget and "dflash2-tree" in args.methods:  # one method per budget, side by side
         i = args.methods.index("dflash2-tree")
         args.methods[i : i + 1] = [f"dflash2-tree@{n}" for n in args.tree_budget]
@@ -717,24 +731,45 @@ def main(argv=None):
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         return report
 
+    def measure(task, m, c, batch, desc):
+        """One cell's decode of `batch` prompts: (results, wall seconds); with --profile its phase timings too."""
+        timings = {} if args.profile else None
+        if m in PEERS:
+            results, wall = run_peer(model, m, batch, args, stop_ids, desc, timings, zlab)
+        else:
+            results, wall = run_method(target, draft_for(m), batch, m, c, args, stop_ids, desc, timings)
+        return results, wall, timings
+
     rows, outputs = [], {}
     for task in args.tasks:  # every method in turn, ours and peers alike, so drift hits them alike
         for c in args.concurrency:
+            cells = []
             for m in args.methods:
                 row = dict(task=task, method=m, concurrency=c, num_prompts=len(prompts[task]), acceptance_length=None,
                            throughput_tok_s=None, speedup_vs_ar=None, speedup_vs_hf=None, completion_tokens=None,
                            wall_s=None, identical_to_ar=None, cannot_run=zlab_missing if m == "zlab" else None)
                 row["cannot_run"] = row["cannot_run"] or cannot_run(m, c)
                 rows.append(row)
-                if row["cannot_run"]:
-                    continue
-                timings = {} if args.profile else None
-                if m in PEERS:
-                    results, wall = run_peer(model, m, prompts[task], args, stop_ids, f"{task} {m} c={c}", timings,
-                                             zlab)
+                if not row["cannot_run"]:
+                    cells.append(row)
+            if args.interleave:  # prompt by prompt, every method on it in turn (the order rotates)
+                done = {r["method"]: ([], [], {} if args.profile else None) for r in cells}
+                for i, prompt in enumerate(prompts[task]):
+                    for r in cells[i % len(cells):] + cells[: i % len(cells)]:
+                        results, wall, timings = measure(task, r["method"], c, [prompt], f"{task} prompt {i} {r['method']}")
+                        got, walls, total = done[r["method"]]
+                        got += results
+                        walls.append(wall)
+                        for k, v in (timings or {}).items():
+                            total[k] = total.get(k, 0.0) + v
+            for row in cells:
+                m = row["method"]
+                if args.interleave:
+                    results, walls, timings = done[m]
+                    wall = sum(walls)
+                    row["prompt_tok_s"] = [len(r.tokens) / w for r, w in zip(results, walls)]
                 else:
-                    results, wall = run_method(target, draft_for(m), prompts[task], m, c, args, stop_ids,
-                                               f"{task} {m} c={c}", timings)
+                    results, wall, timings = measure(task, m, c, prompts[task], f"{task} {m} c={c}")
                 outputs[task, m, c] = [r.tokens for r in results]
                 tokens = sum(len(r.tokens) for r in results)
                 row.update(acceptance_length=mean_tau(results), throughput_tok_s=tokens / wall,
@@ -750,6 +785,8 @@ def main(argv=None):
         key = r["task"], "ar", r["concurrency"]
         if key in measured:
             r["speedup_vs_ar"] = r["throughput_tok_s"] / measured[key]["throughput_tok_s"]
+            if "prompt_tok_s" in r:  # --interleave: each prompt's speedup, its method and ar timed seconds apart
+                r["prompt_speedups"] = [a / b for a, b in zip(r["prompt_tok_s"], measured[key]["prompt_tok_s"])]
             # Lossless: greedy drafting, ours or a peer's, must reproduce ar's output for the same prompt
             # (at the same concurrency).
             if greedy:

@@ -8,7 +8,9 @@ Each step, for each row:
 1. Draft or not (before drafting, from earlier steps only): a row drafts while its drafted steps have
    made more tokens per unit cost than plain decoding does (1 per V(1)); after a drafted step that did
    not pay, it decodes plainly for 2, 4, 8, ... (at most 64) steps before it tries again. A try is judged
-   mostly on its own: the rate it updates starts from at least TRY_RATE.
+   mostly on its own: the rate it updates starts from at least TRY_RATE. Each drafted step after which the
+   rate still pays halves the wait (down to 2), so one lucky try after many failures does not make tries
+   frequent again at once.
 2. How far (after drafting): the chain verifies draft k while the selector's law expects it accepted
    with a probability worth its extra cost: c_1 * .. * c_k >= rho * (V(k + 1) - V(k)), with c_j the
    law's largest probability at slot j (given draft j-1: never draft j itself) and rho the row's rate so
@@ -168,7 +170,7 @@ class Policy:
             if s.rate < 1.0:  # drafting did not pay: plain steps, twice as many each time it fails again
                 s.plain_left, s.backoff = s.backoff, min(2 * s.backoff, 64)
             else:
-                s.backoff = 2
+                s.backoff = max(2, s.backoff // 2)
 
 
 def chain_keep(conf, rho, costs):

@@ -341,3 +341,33 @@ def test_profile_times_every_phase_without_timers_in_the_loop():
     assert all(v > 0 for v in timings.values()) and abs(sum(timings.values()) - wall) < 1e-9
     assert [r.tokens for r in profiled] == [r.tokens for r in plain]
     assert "forward" not in vars(target) and sd.draft.__name__ == "draft" and sd._prefill.__name__ == "_prefill"
+
+
+def test_interleave_times_prompt_by_prompt_in_rotating_order(tiny_pair, tmp_path, capsys, monkeypatch):
+    """--interleave decodes one prompt at a time with every method on it in turn, the first method rotating
+    from prompt to prompt; cells pool the prompts' tokens and walls, and each prompt's speedup over ar is kept."""
+    calls = []
+    real = bench.run_method
+
+    def spy(target, drafter, prompts, method, *args, **kwargs):
+        calls.append((method, len(prompts)))
+        return real(target, drafter, prompts, method, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_method", spy)
+    write_tiny_data(tmp_path / "data")
+    report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--tasks", "gsm8k", "--methods",
+                    "ar,dflash2,dflash2@2", "--concurrency", "1", "--num-prompts", "3", "--max-new-tokens", "10",
+                    "--interleave", "--profile")
+    assert calls == [("ar", 1), ("dflash2", 1), ("dflash2@2", 1), ("dflash2", 1), ("dflash2@2", 1), ("ar", 1),
+                     ("dflash2@2", 1), ("ar", 1), ("dflash2", 1)]
+    rows = {r["method"]: r for r in report["results"]}
+    for m, r in rows.items():
+        assert r["identical_to_ar"] is True and len(r["prompt_tok_s"]) == 3 and r["step_ms"]["verify"] > 0
+        # pooled tokens over pooled walls: a weighted mean of the prompts' rates
+        assert min(r["prompt_tok_s"]) <= r["throughput_tok_s"] <= max(r["prompt_tok_s"])
+    for m in ("dflash2", "dflash2@2"):
+        assert rows[m]["prompt_speedups"] == pytest.approx(
+            [a / b for a, b in zip(rows[m]["prompt_tok_s"], rows["ar"]["prompt_tok_s"])])
+    assert "Each prompt's speedup over ar" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--interleave"):
+        _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--concurrency", "1,2", "--interleave")

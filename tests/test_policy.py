@@ -67,6 +67,37 @@ def test_drafting_that_does_not_pay_turns_into_plain_steps_and_back():
     assert all(set(r.widths) == {8} for r in cheap)
 
 
+def plain_runs(policy, accepted):
+    """Drive one request through the policy's host state: each drafted step accepts the next count of
+    `accepted`. Returns the lengths of the plain runs between drafted steps."""
+    runs, plain, told = [], 0, iter(accepted)
+    while True:
+        policy.begin([0], [0])
+        if not policy.drafts([True]):
+            plain += 1
+            policy.end([True], [0], False)
+            continue
+        runs.append(plain)
+        plain = 0
+        n = next(told, None)
+        if n is None:
+            return runs[1:]
+        policy.widths = [n + 1]
+        policy.end([True], [n], True)
+
+
+def test_failed_tries_double_the_wait_and_a_paying_try_halves_it():
+    """Drafts cost 1 and a verify 1 + 0.1 (w - 1): a step that accepts nothing makes 1 token for 2, one that
+    accepts 5 makes 6 for 2.5. The waits double up to 64; each drafted step after which the rate still pays
+    halves the wait."""
+    fail, win = [0] * 9, [5]
+    runs = plain_runs(pol.Policy(costs(0.1, 1.0), 8), [0, 0] + fail + win + [0, 0])
+    assert runs[:10] == [0, 2, 4, 8, 16, 32, 64, 64, 64, 64]  # two drafted steps first: a new request starts at 1.3
+    # the paying try (rate 0.7 * 0.9 + 0.3 * 6 / 2.5 = 1.35) and the failure after it (1.10) each halve the wait;
+    # the second failure (0.92) waits 16 plain steps, where the policy before halving waited 2
+    assert runs[10:] == [64, 0, 0, 16]
+
+
 def test_each_row_is_cut_on_its_own_and_the_forward_is_the_widest():
     model, target, drafter = pair("llama")
     policy = pol.Policy(costs(0.1, 0.2), 8)
