@@ -2,6 +2,7 @@
 that a drifting machine slows both alike. Prints each request's tok/s and τ, then the pooled tok/s of each.
 
     python docs/alternate_policies.py --task gsm8k --num-prompts 5 --max-new-tokens 128 --rounds 3
+    python docs/alternate_policies.py --prompt "Write a Python function ..." --max-new-tokens 256 --rounds 4   # one message
 """
 import argparse
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash2.pair import load_pair  # noqa: E402
+from dflash2.pair import load_pair, stop_token_ids  # noqa: E402
 from dflash2.prompts import encode_prompt, format_prompt, load_tasks  # noqa: E402  (one chat encoder, issue 41)
 from dflash2.spec_decode import generate  # noqa: E402
 
@@ -22,10 +23,15 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt", default=None, help="one user message (the CLI's --prompt) instead of --task's prompts")
     args = ap.parse_args()
     pair = load_pair()
-    prompts = [encode_prompt(pair.tokenizer, format_prompt(args.task, t))
-               for t in load_tasks([args.task], args.data_dir, args.num_prompts)[args.task]]
+    if args.prompt is not None:
+        prompts = [encode_prompt(pair.tokenizer, args.prompt)]
+    else:
+        prompts = [encode_prompt(pair.tokenizer, format_prompt(args.task, t))
+                   for t in load_tasks([args.task], args.data_dir, args.num_prompts)[args.task]]
+    stops = stop_token_ids(pair.target.model, pair.tokenizer)  # as the CLI and the bench stop
     total = {"auto": [0, 0.0], "fixed": [0, 0.0]}
     for rnd in range(args.rounds):
         for policy in ("auto", "fixed") if rnd % 2 == 0 else ("fixed", "auto"):
@@ -33,7 +39,7 @@ def main():
             for p in prompts:
                 start = time.perf_counter()
                 res = generate(pair.target, pair.drafter, [p], max_new_tokens=args.max_new_tokens, block_size=8,
-                               policy=policy)[0]
+                               policy=policy, stop_ids=stops)[0]
                 seconds = time.perf_counter() - start
                 total[policy][0] += len(res.tokens)
                 total[policy][1] += seconds

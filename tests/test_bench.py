@@ -345,7 +345,8 @@ def test_profile_times_every_phase_without_timers_in_the_loop():
 
 def test_interleave_times_prompt_by_prompt_in_rotating_order(tiny_pair, tmp_path, capsys, monkeypatch):
     """--interleave decodes one prompt at a time with every method on it in turn, the first method rotating
-    from prompt to prompt; cells pool the prompts' tokens and walls, and each prompt's speedup over ar is kept."""
+    from prompt to prompt and round to round; cells pool the prompts' tokens and walls over the rounds, and each
+    prompt's speedup over ar is kept."""
     calls = []
     real = bench.run_method
 
@@ -357,12 +358,14 @@ def test_interleave_times_prompt_by_prompt_in_rotating_order(tiny_pair, tmp_path
     write_tiny_data(tmp_path / "data")
     report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--tasks", "gsm8k", "--methods",
                     "ar,dflash2,dflash2@2", "--concurrency", "1", "--num-prompts", "3", "--max-new-tokens", "10",
-                    "--interleave", "--profile")
-    assert calls == [("ar", 1), ("dflash2", 1), ("dflash2@2", 1), ("dflash2", 1), ("dflash2@2", 1), ("ar", 1),
-                     ("dflash2@2", 1), ("ar", 1), ("dflash2", 1)]
+                    "--interleave", "--rounds", "2", "--profile")
+    a, b, c = "ar", "dflash2", "dflash2@2"
+    assert [m for m, n in calls] == [a, b, c, b, c, a, c, a, b] + [b, c, a, c, a, b, a, b, c]
+    assert all(n == 1 for m, n in calls)
     rows = {r["method"]: r for r in report["results"]}
     for m, r in rows.items():
         assert r["identical_to_ar"] is True and len(r["prompt_tok_s"]) == 3 and r["step_ms"]["verify"] > 0
+        assert r["rounds"] == 2 and r["completion_tokens"] * 2 == pytest.approx(r["throughput_tok_s"] * r["wall_s"])
         # pooled tokens over pooled walls: a weighted mean of the prompts' rates
         assert min(r["prompt_tok_s"]) <= r["throughput_tok_s"] <= max(r["prompt_tok_s"])
     for m in ("dflash2", "dflash2@2"):
@@ -371,3 +374,5 @@ def test_interleave_times_prompt_by_prompt_in_rotating_order(tiny_pair, tmp_path
     assert "Each prompt's speedup over ar" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--interleave"):
         _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--concurrency", "1,2", "--interleave")
+    with pytest.raises(SystemExit, match="--rounds"):
+        _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--rounds", "2")
