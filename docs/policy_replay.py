@@ -45,6 +45,17 @@ class FullBlock(Policy):
         return torch.full((conf.shape[0],), self.cap - 1, device=conf.device), self.cap
 
 
+class ResetWait(Policy):
+    """The policy before commit b1bb333: a drafted step after which drafting still pays resets the wait to 2."""
+
+    def end(self, alive, accepted, drafted):
+        super().end(alive, accepted, drafted)
+        if drafted:
+            for s, a in zip(self.rows, alive):
+                if a and s.rate >= 1.0:
+                    s.backoff = 2
+
+
 def record(specs, data_dir, max_new_tokens):
     from dflash2.pair import load_pair, stop_token_ids
     from dflash2.prompts import encode_prompt, format_prompt, load_tasks
@@ -88,8 +99,9 @@ def accepted_at(row, i):
     return n
 
 
-def replay(row, policy, costs):
-    """(speedup over plain decoding, share of drafted steps) of `policy` on one recorded output."""
+def replay(row, policy, costs, extra=0.0):
+    """(speedup over plain decoding, share of drafted steps) of `policy` on one recorded output; each drafted
+    step is charged `extra` on top of the measured draft (what the loop adds: the context writes)."""
     n, i, cost, steps, drafted_steps = len(row["tokens"]), 0, 0.0, 0, 0
     while i < n - 1:
         policy.begin([0], [steps])
@@ -98,7 +110,7 @@ def replay(row, policy, costs):
         if drafted:
             keep, width = policy.cut_chain(torch.tensor([row["conf"][i]]))
             accepted = min(accepted_at(row, i), int(keep[0]), n - 2 - i)
-            cost += costs.draft + costs.V(width)
+            cost += costs.draft + extra + costs.V(width)
             drafted_steps += 1
         else:
             cost += 1.0
@@ -113,6 +125,11 @@ def main():
     ap.add_argument("--data-dir", default="../shared/data")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--cache", default="/tmp/policy_replay.json", help="pass 1's record (reused when it exists)")
+    ap.add_argument("--before-halving", action="store_true",
+                    help="also replay the policy as it was before the wait halving (ResetWait)")
+    ap.add_argument("--extra-draft-cost", type=float, default=0.0, metavar="X",
+                    help="charge each drafted step X more (units of V(1)) than measure_costs' draft; the policy "
+                         "itself still sees the measured costs")
     args = ap.parse_args()
     cache = Path(args.cache)
     data = json.loads(cache.read_text()) if cache.is_file() else None
@@ -121,18 +138,24 @@ def main():
         cache.write_text(json.dumps(data))
     costs = Costs(**data["costs"])
     print(f"costs: V(2) {costs.V(2):.2f}, V(4) {costs.V(4):.2f}, V(8) {costs.V(8):.2f}, draft {costs.draft:.2f} "
-          f"(units of V(1) = {costs.ms_per_token:.1f} ms)\n")
-    print("| prompt | tokens | full block | policy | policy's drafted steps |\n|---|---|---|---|---|")
+          f"(units of V(1) = {costs.ms_per_token:.1f} ms); a drafted step charged {args.extra_draft_cost:.2f} more\n")
+    before = " | before halving" if args.before_halving else ""
+    print(f"| prompt | tokens | full block | policy | policy's drafted steps{before} |\n|---|---|---|---|---|"
+          + "---|" * args.before_halving)
     table = []
     for row in data["rows"]:
-        full, _ = replay(row, FullBlock(costs, 8), costs)
-        auto, share = replay(row, Policy(costs, 8), costs)
-        table.append((row["task"], full, auto))
-        print(f"| {row['task']} {row['index']} | {len(row['tokens'])} | {full:.2f}× | {auto:.2f}× | {share:.2f} |")
-    for task in dict.fromkeys(t for t, _, _ in table):
-        full, auto = ([r[k] for r in table if r[0] == task] for k in (1, 2))
+        full, _ = replay(row, FullBlock(costs, 8), costs, args.extra_draft_cost)
+        auto, share = replay(row, Policy(costs, 8), costs, args.extra_draft_cost)
+        old = replay(row, ResetWait(costs, 8), costs, args.extra_draft_cost)[0] if args.before_halving else None
+        table.append((row["task"], full, auto, old))
+        print(f"| {row['task']} {row['index']} | {len(row['tokens'])} | {full:.2f}× | {auto:.2f}× | {share:.2f} |"
+              + (f" {old:.2f}× |" if old is not None else ""))
+    for task in dict.fromkeys(r[0] for r in table):
+        full, auto, old = ([r[k] for r in table if r[0] == task] for k in (1, 2, 3))
         print(f"\n{task}: full block mean {sum(full) / len(full):.3f}× (lowest {min(full):.2f}×), "
-              f"policy mean {sum(auto) / len(auto):.3f}× (lowest {min(auto):.2f}×)", end="")
+              f"policy mean {sum(auto) / len(auto):.3f}× (lowest {min(auto):.3f}×)"
+              + (f", before halving mean {sum(old) / len(old):.3f}× (lowest {min(old):.3f}×)" if args.before_halving
+                 else ""), end="")
     print()
 
 
