@@ -765,20 +765,20 @@ def main(argv=None):
                         for r in cells[k:] + cells[:k]:
                             results, wall, timings = measure(task, r["method"], c, [prompt],
                                                              f"{task} round {rnd} prompt {i} {r['method']}")
-                            first, tokens, walls, total = done[r["method"]]
+                            first, counts, walls, total = done[r["method"]]
                             if first[i] is not None and first[i].tokens != results[0].tokens:
                                 raise SystemExit(f"{r['method']} decoded {task} prompt {i} differently in round {rnd}")
                             first[i] = results[0]
-                            tokens[i] += len(results[0].tokens)
+                            counts[i] += len(results[0].tokens)
                             walls[i] += wall
                             for key, v in (timings or {}).items():
                                 total[key] = total.get(key, 0.0) + v
             for row in cells:
                 m = row["method"]
                 if args.interleave:  # every round's tokens over every round's wall
-                    results, per_prompt, walls, timings = done[m]
-                    wall, tokens = sum(walls), sum(per_prompt)
-                    row["prompt_tok_s"] = [t / w for t, w in zip(per_prompt, walls)]
+                    results, counts, walls, timings = done[m]
+                    wall, tokens = sum(walls), sum(counts)
+                    row["prompt_tok_s"] = [t / w for t, w in zip(counts, walls)]
                     row["rounds"] = args.rounds
                     timings = None if timings is None else {k: v / args.rounds for k, v in timings.items()}
                 else:
