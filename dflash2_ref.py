@@ -246,7 +246,10 @@ def decode_main(args):
         if not args.json and cost_key(pair.target, pair.drafter) not in costs_file_keys(cache_dir() / "costs.json"):
             print("[policy] measuring this machine's verify and draft costs once (a few seconds; cached in "
                   f"{cache_dir() / 'costs.json'})", file=sys.stderr)
-        costs_for(pair.target, pair.drafter, sd.measure_costs, cache_dir() / "costs.json")
+        costs = costs_for(pair.target, pair.drafter, sd.measure_costs, cache_dir() / "costs.json")
+        if not costs.steady and not args.json:
+            print("[policy] note: this machine's timings were unsteady while measuring (is it busy?); the costs serve "
+                  "this run only and are measured again next time", file=sys.stderr)
     stream = None if args.json else Stream(pair.tokenizer, sys.stdout)
     (res,), seconds, ttft = run(pair, [prompt], settings, on_emit=stream, trace_path=args.trace)
     text_out = pair.tokenizer.decode(res.tokens, skip_special_tokens=True)

@@ -707,11 +707,12 @@ def main(argv=None):
         costs = costs_for(target, drafter, spec_decode.measure_costs, cache_dir() / "costs.json")
         args.costs = dict(verify={w: round(costs.V(w), 3) for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)},
                           draft=round(costs.draft, 3), draft_tree=round(costs.draft_tree, 3),
-                          one_token_forward_ms=round(costs.ms_per_token, 2))
+                          one_token_forward_ms=round(costs.ms_per_token, 2), steady=costs.steady)
         print("policy costs (units of a one-token forward): verify " +
               ", ".join(f"V({w}) {v}" for w, v in args.costs["verify"].items()) +
               f"; draft {args.costs['draft']}, tree draft {args.costs['draft_tree']}; "
-              f"V(1) = {args.costs['one_token_forward_ms']} ms", flush=True)
+              f"V(1) = {args.costs['one_token_forward_ms']} ms"
+              + ("" if costs.steady else " (UNSTEADY: no two measurements agreed; not cached)"), flush=True)
     # Compiled runs warm up at the real length: static cache shapes depend on it.
     for m in args.methods:
         if m in PEERS:

@@ -35,6 +35,8 @@ COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)  # measured; the rest interpola
 COST_CONTEXT = 256  # context length the costs are measured at
 TREE_BUDGETS = (2, 4, 6, 8, 12, 16, 24, 32)  # the auto tree's choices (and its cap)
 TRY_RATE = 0.9  # a try after a plain run resumes drafting if it makes >= 1.23 tokens per unit cost (forget 0.7)
+STEADY = 0.15  # two measurements of the costs agree when each cost differs by at most this share (of 1 for drafts)
+MAX_PASSES = 3  # measurements of the costs before giving up on two that agree
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Costs:
     draft_tree: float
     key: str = ""
     ms_per_token: float = 0.0  # V(1) in ms, for --profile
+    steady: bool = True  # False: no two measurements agreed (a busy machine); used for one process, never cached
 
     def V(self, w):
         return self.verify[min(w, len(self.verify)) - 1]
@@ -81,8 +84,10 @@ _MEMO = {}
 
 
 def costs_for(target, drafter, measure, cache_file=None):
-    """This machine's costs for the pair: from memory, else from the cache file, else measure(target, drafter)
-    (spec_decode.measure_costs, 1-3 s) and stored."""
+    """This machine's costs for the pair: from memory, else from the cache file, else measured (measure(target,
+    drafter) is spec_decode.measure_costs, 1-3 s) and stored. A busy machine times some widths in a quiet moment
+    and others not: measured costs are stored only when two measurements in a row agree (steady); otherwise
+    (MAX_PASSES without) their median serves this process, marked unsteady, and the next process measures again."""
     key = cost_key(target, drafter)
     if key in _MEMO:
         return _MEMO[key]
@@ -96,8 +101,8 @@ def costs_for(target, drafter, measure, cache_file=None):
     if digest in stored and stored[digest].get("key") == key:
         costs = Costs(**stored[digest])
     else:
-        costs = measure(target, drafter)
-        if cache_file is not None:
+        costs = measure_steadily(target, drafter, measure)
+        if cache_file is not None and costs.steady:
             stored[digest] = costs.__dict__
             try:
                 cache_file.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +111,34 @@ def costs_for(target, drafter, measure, cache_file=None):
                 pass  # a read-only cache: measure again next time
     _MEMO[key] = costs
     return costs
+
+
+def agree(a, b):
+    """Whether two measurements of the costs agree: every V(w) within STEADY of the larger, the drafts within
+    STEADY of one plain step (a draft costs a fraction of one)."""
+    pairs = [(a.V(w), b.V(w)) for w in COST_WIDTHS] + [(a.draft, b.draft), (a.draft_tree, b.draft_tree)]
+    return all(abs(x - y) <= STEADY * max(x, y, 1.0) for x, y in pairs)
+
+
+def combine(passes, steady):
+    """The element-wise median of measurements of the costs (the mean of two)."""
+    def mid(xs):
+        xs = sorted(xs)
+        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+    return Costs([mid(v) for v in zip(*(c.verify for c in passes))], mid([c.draft for c in passes]),
+                 mid([c.draft_tree for c in passes]), passes[-1].key, mid([c.ms_per_token for c in passes]), steady)
+
+
+def measure_steadily(target, drafter, measure):
+    """Measure until two measurements in a row agree (at most MAX_PASSES): their mean, steady; else the median
+    of all, unsteady."""
+    passes = [measure(target, drafter)]
+    while len(passes) < MAX_PASSES:
+        passes.append(measure(target, drafter))
+        if agree(passes[-2], passes[-1]):
+            return combine(passes[-2:], True)
+    return combine(passes, False)
 
 
 @dataclass

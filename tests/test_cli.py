@@ -202,3 +202,24 @@ def test_default_dspark_pair_greedy_matches_autoregressive(capsys):
     report = json.loads(out)
     assert report["identical"] is True and report["completion_tokens"] >= 1
     assert report["method"] == "dspark" and report["draft"] == settings.DEFAULT_DSPARK_DRAFT.name
+
+
+def test_unsteady_costs_are_said_and_not_cached(capsys, monkeypatch, tmp_path):
+    """A busy machine while the costs are measured (no two measurements agree): the CLI says so on stderr, the
+    run goes on with them, and nothing is cached."""
+    from dflash2 import policy, spec_decode
+
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    policy._MEMO.clear()
+    calls = []
+
+    def jumpy(target, drafter):
+        calls.append(1)
+        return policy.Costs([1.0] + [1.0 + len(calls)] * 40, 0.3, 0.3, policy.cost_key(target, drafter), 1.0)
+
+    monkeypatch.setattr(spec_decode, "measure_costs", jumpy)
+    rc, out, err = cli(capsys, *PAIR, "--prompt", "the time of day", "--max-new-tokens", "6")
+    policy._MEMO.clear()
+    assert rc == 0, err
+    assert "measuring this machine's verify and draft costs" in err and "unsteady" in err
+    assert len(calls) == policy.MAX_PASSES and not (tmp_path / "costs.json").exists()

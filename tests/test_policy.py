@@ -191,14 +191,55 @@ def test_sampling_loop_with_the_policy_preserves_target_distribution():
 # --- costs and traces ---
 
 
-def test_costs_are_measured_once_and_read_back(tmp_path):
+def test_measured_costs_are_sane():
+    model, target, drafter = pair("llama")
+    c = sd.measure_costs(target, drafter)
+    assert c.verify[0] == 1.0 and all(a <= b for a, b in zip(c.verify, c.verify[1:])) and c.draft > 0
+    assert c.key == pol.cost_key(target, drafter) and c.ms_per_token > 0
+
+
+def scripted(target, drafter, *verifies):
+    """A measure function returning Costs with these V(2) values in turn (the rest flat), counting its calls."""
+    calls = []
+
+    def measure(t, d):
+        v2 = verifies[len(calls) % len(verifies)]
+        calls.append(v2)
+        return pol.Costs([1.0, v2] + [v2 + 0.1] * 40, 0.3, 0.3, pol.cost_key(target, drafter), 50.0)
+
+    return measure, calls
+
+
+def test_costs_are_measured_until_steady_then_cached_and_read_back(tmp_path):
+    """Two measurements in a row that agree: their mean is stored; the next process reads it without measuring."""
     model, target, drafter = pair("llama")
     pol._MEMO.clear()
-    c = pol.costs_for(target, drafter, sd.measure_costs, tmp_path / "costs.json")
-    assert c.verify[0] == 1.0 and all(a <= b for a, b in zip(c.verify, c.verify[1:])) and c.draft > 0
+    measure, calls = scripted(target, drafter, 1.5, 1.1, 1.2)  # a busy first pass, then two that agree
+    c = pol.costs_for(target, drafter, measure, tmp_path / "costs.json")
+    assert calls == [1.5, 1.1, 1.2] and c.steady and c.V(2) == pytest.approx(1.15)
     pol._MEMO.clear()
     again = pol.costs_for(target, drafter, lambda *a: pytest.fail("measured again"), tmp_path / "costs.json")
-    assert again.verify == c.verify and again.key == pol.cost_key(target, drafter)
+    assert again.verify == c.verify and again.key == pol.cost_key(target, drafter) and again.steady
+
+
+def test_unsteady_costs_serve_one_process_and_are_not_cached(tmp_path):
+    """No two measurements in a row agree (a busy machine): the median serves this process, marked unsteady,
+    nothing is stored, and the next process measures again."""
+    model, target, drafter = pair("llama")
+    pol._MEMO.clear()
+    measure, calls = scripted(target, drafter, 2.2, 1.1, 1.6)
+    c = pol.costs_for(target, drafter, measure, tmp_path / "costs.json")
+    assert len(calls) == pol.MAX_PASSES and not c.steady and c.V(2) == pytest.approx(1.6)
+    assert not (tmp_path / "costs.json").exists()
+    pol._MEMO.clear()
+    pol.costs_for(target, drafter, measure, tmp_path / "costs.json")
+    assert len(calls) == 2 * pol.MAX_PASSES
+    pol._MEMO.clear()
+
+
+def test_agreement_of_two_measurements():
+    a = costs(0.1, 0.3)
+    assert pol.agree(a, costs(0.11, 0.4)) and not pol.agree(a, costs(0.3, 0.3)) and not pol.agree(a, costs(0.1, 0.5))
 
 
 @pytest.mark.parametrize("method", ["dflash2", "dflash2-tree"])
