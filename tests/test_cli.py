@@ -215,7 +215,7 @@ def test_unsteady_costs_are_said_and_not_cached(capsys, monkeypatch, tmp_path):
 
     def jumpy(target, drafter):
         calls.append(1)
-        return policy.Costs([1.0] + [1.0 + len(calls)] * 40, 0.3, 0.3, policy.cost_key(target, drafter), 1.0)
+        return policy.Costs([1.0] + [1.0 + 2 * len(calls)] * 40, 0.3, 0.3, policy.cost_key(target, drafter), 1.0)
 
     monkeypatch.setattr(spec_decode, "measure_costs", jumpy)
     rc, out, err = cli(capsys, *PAIR, "--prompt", "the time of day", "--max-new-tokens", "6")

@@ -239,7 +239,7 @@ def test_unsteady_costs_serve_one_process_and_are_not_cached(tmp_path):
 
 def test_agreement_of_two_measurements():
     a = costs(0.1, 0.3)
-    assert pol.agree(a, costs(0.11, 0.4)) and not pol.agree(a, costs(0.3, 0.3)) and not pol.agree(a, costs(0.1, 0.5))
+    assert pol.agree(a, costs(0.11, 0.5)) and not pol.agree(a, costs(0.3, 0.3)) and not pol.agree(a, costs(0.1, 0.6))
 
 
 @pytest.mark.parametrize("method", ["dflash2", "dflash2-tree"])
