@@ -240,13 +240,13 @@ def decode_main(args):
         settings = dataclasses.replace(settings, static=True)
 
     if settings.policy == "auto":  # this machine's costs, measured once (cached), before anything is timed
-        from dflash2.policy import cost_key, costs_for
+        from dflash2.policy import cost_key
         from dflash2.settings import cache_dir
 
         if not args.json and cost_key(pair.target, pair.drafter) not in costs_file_keys(cache_dir() / "costs.json"):
             print("[policy] measuring this machine's verify and draft costs once (a few seconds; cached in "
                   f"{cache_dir() / 'costs.json'})", file=sys.stderr)
-        costs = costs_for(pair.target, pair.drafter, sd.measure_costs, cache_dir() / "costs.json")
+        costs = sd.machine_costs(pair.target, pair.drafter)
         if not costs.steady and not args.json:
             print("[policy] note: this machine's timings were unsteady while measuring (is it busy?); the costs serve "
                   "this run only and are measured again next time", file=sys.stderr)

@@ -29,8 +29,7 @@ from .dspark import DSparkDrafter
 from .model import DFlash2Drafter
 from .pair import load_target, stop_token_ids
 from .prompts import ALL_TASKS, TASKS, encode_prompt, format_prompt, load_tasks
-from .policy import costs_for
-from .settings import DEFAULT_DRAFT, DEFAULT_DSPARK_DRAFT, METHODS, TREE_SCORES, DecodeSettings, HelpFormatter, cache_dir
+from .settings import DEFAULT_DRAFT, DEFAULT_DSPARK_DRAFT, METHODS, TREE_SCORES, DecodeSettings, HelpFormatter
 from .results import Result, mean_tau, width_shares
 from .spec_decode import compile_core, generate
 from .target import Target
@@ -704,7 +703,7 @@ def main(argv=None):
     # Untimed warm-up of every method, so one-time costs (allocator, kernels, compilation) are billed to no one.
     first = next(iter(prompts.values()))[0]
     if drafter is not None and args.policy == "auto":  # this machine's costs, measured once, before any timing
-        costs = costs_for(target, drafter, spec_decode.measure_costs, cache_dir() / "costs.json")
+        costs = spec_decode.machine_costs(target, drafter)
         args.costs = dict(verify={w: round(costs.V(w), 3) for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)},
                           draft=round(costs.draft, 3), draft_tree=round(costs.draft_tree, 3),
                           one_token_forward_ms=round(costs.ms_per_token, 2), steady=costs.steady)

@@ -375,7 +375,7 @@ def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=N
     traced = trace is not None
     policy = speculation
     if policy is None and s.policy == "auto" and propose is None:
-        policy = Policy(costs_for(target, drafter, measure_costs, cache_dir() / "costs.json"),
+        policy = Policy(machine_costs(target, drafter),
                         s.tree_budget if s.method == "dflash2-tree" else B, tree=s.method == "dflash2-tree")
     cut = {} if policy is None else dict(cut=policy.cut_tree if s.method == "dflash2-tree" else policy.cut_chain)
     if s.method == "dflash2-tree":
@@ -445,6 +445,11 @@ def _best_time(fn, reps, least_s=0.02, warm=True):
         took = time.perf_counter() - start
         best, spent, n = min(best, took), spent + took, n + 1
     return best
+
+
+def machine_costs(target, drafter):
+    """This machine's policy.Costs for the pair: measured once (measure_costs) and cached in the cache dir."""
+    return costs_for(target, drafter, measure_costs, cache_dir() / "costs.json")
 
 
 @torch.inference_mode()

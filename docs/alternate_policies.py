@@ -73,11 +73,9 @@ def main():
 
 
 def pair_costs(pair):
-    from dflash2 import spec_decode
-    from dflash2.policy import costs_for
-    from dflash2.settings import cache_dir
+    from dflash2.spec_decode import machine_costs
 
-    return costs_for(pair.target, pair.drafter, spec_decode.measure_costs, cache_dir() / "costs.json")
+    return machine_costs(pair.target, pair.drafter)
 
 
 if __name__ == "__main__":

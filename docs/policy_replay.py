@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash2 import spec_decode  # noqa: E402
-from dflash2.policy import Costs, Policy, costs_for  # noqa: E402
+from dflash2.policy import Costs, Policy  # noqa: E402
 
 
 class EveryPosition(Policy):
@@ -59,10 +59,9 @@ class ResetWait(Policy):
 def record(specs, data_dir, max_new_tokens):
     from dflash2.pair import load_pair, stop_token_ids
     from dflash2.prompts import encode_prompt, format_prompt, load_tasks
-    from dflash2.settings import cache_dir
 
     pair = load_pair()
-    costs = costs_for(pair.target, pair.drafter, spec_decode.measure_costs, cache_dir() / "costs.json")
+    costs = spec_decode.machine_costs(pair.target, pair.drafter)
     seen, wrapped = {}, spec_decode.draft_confidence
 
     def confidence(selector, h, U, anchor, drafts, method):
