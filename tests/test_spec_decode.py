@@ -216,7 +216,8 @@ def test_drafter_state_equals_an_uncached_recomputation(monkeypatch, temperature
 
     monkeypatch.setattr(sd, "draft", spy)
     results = sd.generate(target, drafter, prompts, max_new_tokens=n, temperature=temperature, top_p=0.9,
-                          seed=5, static=static, trace=trace, on_emit=lambda req, toks: emitted[req].extend(toks))
+                          seed=5, static=static, trace=trace, on_emit=lambda req, toks: emitted[req].extend(toks),
+                          policy="fixed")
     assert all(len(r.tokens) == n for r in results)
     assert len(checked) == sum(len(r.accepted) for r in results)
     if temperature == 0:
@@ -341,11 +342,13 @@ def _target_law(model, prompt, n, temperature, top_p, top_k=0):
 
 
 def _loop_tv(model, target, drafter, method, rows=20000, n=2, max_batch=None, temperature=1.0, top_k=0,
-             top_p=0.9, block_size=None, results_out=None, **generate_kwargs):
+             top_p=0.9, block_size=None, results_out=None, policy="fixed", **generate_kwargs):
+    """TV between the loop's outputs of `rows` requests and the target's exact law, and its bound; every step
+    verifies the whole block unless a policy is passed."""
     prompt = [5, 3, 9]
     results = sd.generate(target, drafter, [prompt] * rows, method=method, max_new_tokens=n,
                           temperature=temperature, top_k=top_k, top_p=top_p, seed=11, max_batch=max_batch,
-                          block_size=block_size, **generate_kwargs)
+                          block_size=block_size, policy=policy, **generate_kwargs)
     if results_out is not None:
         results_out.extend(results)
     counts = {}
