@@ -43,7 +43,7 @@ from .machine import machine
 from .target import text_config
 
 COST_BATCHES = (1, 2, 4, 8, 16, 32)  # rows measured (the model card's concurrencies 1, 8, 32 and between); the rest
-# interpolated, straight on past 32
+# interpolated, in proportion to b past 32
 COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)  # tokens per row measured; the rest interpolated
 COST_TOKENS = 64  # past one row, widths are measured up to this many tokens in all (b * w; at least 2 widths): a
 # step at b rows verifies a few drafts at most, and past 64 tokens a forward's cost grows linearly (straight on)
@@ -65,8 +65,9 @@ def cost_widths(b, max_width):
 
 @dataclass
 class Costs:
-    """V(w, b) for w = 1..n at the measured batch sizes, and D(b), in units of V(1, 1); between and past the
-    measured batch sizes piecewise linear in b (at a width past n, V(n, b))."""
+    """V(w, b) for w = 1..n at the measured batch sizes, and D(b), in units of V(1, 1): piecewise linear in b
+    between the measured batch sizes, and past the largest in proportion to b (as many rows again cost as much
+    again once a forward is compute-bound; it keeps V monotone in w and b); at a width past n, V(n, b)."""
 
     batches: list  # the measured batch sizes, ascending
     verify: list  # verify[i][w - 1] = V(w, batches[i]), w = 1..n
@@ -79,11 +80,16 @@ class Costs:
     def V(self, w, b=1):
         """One verify forward of b rows by w tokens."""
         w = min(w, len(self.verify[0]))
-        return piecewise(dict(zip(self.batches, (v[w - 1] for v in self.verify))), b)
+        return self.at_batch([v[w - 1] for v in self.verify], b)
 
     def D(self, b=1, tree=False):
         """One draft of b rows (tree: the tree's)."""
-        return piecewise(dict(zip(self.batches, self.tree_drafts if tree else self.drafts)), b)
+        return self.at_batch(self.tree_drafts if tree else self.drafts, b)
+
+    def at_batch(self, values, b):
+        """A cost at b rows from its values at the measured batch sizes."""
+        last = self.batches[-1]
+        return values[-1] * b / last if b > last else piecewise(dict(zip(self.batches, values)), b)
 
     @property
     def draft(self):

@@ -337,7 +337,7 @@ def test_sampling_loop_with_the_policy_preserves_target_distribution():
     the whole block of 4 and others stop short of it)."""
     model, target, drafter = _sampling_pair()
     results = []
-    steep = pol.Costs([1], [[1.0, 1.01, 1.4, 1.8]], [0.1], [0.1])  # the same at every b: slots 2 and 3 cost 0.4
+    steep = pol.Costs([1], [[1.0, 1.01, 1.4, 1.8]], [0.1], [0.1])  # b rows cost b times one: slots 2, 3 cost 0.4 each
     tv, bound = _loop_tv(model, target, drafter, "dflash2", rows=30000, n=3, policy="auto",
                          speculation=pol.Policy(steep, 4), results_out=results)
     assert tv < bound, (tv, bound)
@@ -394,6 +394,51 @@ def test_unsteady_costs_serve_one_process_and_are_not_cached(tmp_path):
     pol.costs_for(target, drafter, measure, tmp_path / "costs.json")
     assert len(calls) == 2 * pol.MAX_PASSES
     pol._MEMO.clear()
+
+
+measured_grid = st.fixed_dictionaries({b: st.lists(st.floats(0.0, 3.0), min_size=4, max_size=4) for b in (1, 2, 8, 32)})
+
+
+@settings(max_examples=40, deadline=None)
+@given(grid=measured_grid, drafts=st.lists(st.floats(0.0, 2.0), min_size=4, max_size=4))
+def test_costs_interpolate_between_the_measured_points(grid, drafts):
+    """grid_costs from drawn timings at widths 1, 3, 8, 20 and 1, 2, 8, 32 rows: exact at every measured point
+    once made monotone (a running max over w, then b), monotone in w and in b everywhere, and between the
+    neighbouring measured points in b (linearly: the midpoint of 2 and 8 rows is halfway), in proportion past 32."""
+    widths = (1, 3, 8, 20)
+    verify = {b: {w: 1 + sum(v[: i + 1]) for i, w in enumerate(widths)} for b, v in grid.items()}
+    c = pol.grid_costs(verify, dict(zip(sorted(grid), drafts)), dict(zip(sorted(grid), drafts)), 24)
+    monotone = {}
+    for b in sorted(grid):
+        for w in widths:
+            monotone[b, w] = max([verify[b][w]] + [monotone[a, w] for a in sorted(grid) if a < b])
+            assert c.V(w, b) == pytest.approx(monotone[b, w])
+    for b in range(1, 40):
+        for w in range(1, 24):
+            assert c.V(w, b) <= c.V(w + 1, b) + 1e-12 and c.V(w, b) <= c.V(w, b + 1) + 1e-12
+    for lo, hi in ((1, 2), (2, 8), (8, 32)):
+        for w in range(1, 25):
+            for b in range(lo, hi + 1):
+                assert min(c.V(w, lo), c.V(w, hi)) - 1e-12 <= c.V(w, b) <= max(c.V(w, lo), c.V(w, hi)) + 1e-12
+            assert c.V(w, (lo + hi) / 2) == pytest.approx((c.V(w, lo) + c.V(w, hi)) / 2)
+    assert [c.D(b) for b in sorted(grid)] == list(itertools.accumulate(drafts, max))
+    assert c.D(5) == pytest.approx(c.D(2) + (c.D(8) - c.D(2)) / 2) and c.V(3, 64) == pytest.approx(2 * c.V(3, 32))
+
+
+def test_a_cost_cache_of_another_format_is_measured_again(tmp_path):
+    """The key names the format: an entry stored under an older format's key is never read as today's costs."""
+    model, target, drafter = pair("llama")
+    key = pol.cost_key(target, drafter)
+    assert key.startswith(f"costs v{pol.COST_FORMAT} | ")
+    old_key = key.replace(f"costs v{pol.COST_FORMAT} | ", "")
+    digest = __import__("hashlib").sha256(old_key.encode()).hexdigest()[:16]
+    (tmp_path / "costs.json").write_text(json.dumps({digest: dict(verify=[1.0, 1.1], draft=0.2, draft_tree=0.3,
+                                                                  key=old_key)}))
+    pol._MEMO.clear()
+    measure, calls = scripted(target, drafter, 1.2)
+    c = pol.costs_for(target, drafter, measure, tmp_path / "costs.json")
+    pol._MEMO.clear()
+    assert len(calls) == 2 and c.V(2) == pytest.approx(1.2) and c.key == key
 
 
 def test_agreement_of_two_measurements():
