@@ -45,8 +45,9 @@ from .target import text_config
 COST_BATCHES = (1, 2, 4, 8, 16, 32)  # rows measured (the model card's concurrencies 1, 8, 32 and between); the rest
 # interpolated, in proportion to b past 32
 COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)  # tokens per row measured; the rest interpolated
-COST_TOKENS = 64  # past one row, widths are measured up to this many tokens in all (b * w; at least 2 widths): a
-# step at b rows verifies a few drafts at most, and past 64 tokens a forward's cost grows linearly (straight on)
+COST_BATCH_WIDTHS = (1, 2, 4, 8)  # past one row, the widths measured of these up to COST_TOKENS tokens in all
+COST_TOKENS = 32  # (at least the first two): a batch verifies a few drafts per row at most, and past a few dozen
+# tokens a forward's cost grows about linearly (straight on); this keeps a first measurement to a few seconds
 COST_CONTEXT = 256  # context length the costs are measured at
 COST_FORMAT = 2  # in the cost key: a cache of another format is measured again, never misread
 TREE_BUDGETS = (2, 4, 6, 8, 12, 16, 24, 32)  # the auto tree's choices (and its cap)
@@ -57,10 +58,11 @@ MAX_PASSES = 3  # measurements of the costs before giving up on two that agree
 
 
 def cost_widths(b, max_width):
-    """The widths measured at b rows: COST_WIDTHS up to max_width, and past one row those of at most COST_TOKENS
-    tokens in all (always the first two)."""
-    widths = [w for w in COST_WIDTHS if w <= max_width]
-    return widths if b == 1 else [w for i, w in enumerate(widths) if i < 2 or b * w <= COST_TOKENS]
+    """The widths measured at b rows: COST_WIDTHS up to max_width at one row, else those of COST_BATCH_WIDTHS of at
+    most COST_TOKENS tokens in all (always the first two)."""
+    if b == 1:
+        return [w for w in COST_WIDTHS if w <= max_width]
+    return [w for i, w in enumerate(COST_BATCH_WIDTHS) if w <= max_width and (i < 2 or b * w <= COST_TOKENS)]
 
 
 @dataclass

@@ -455,24 +455,25 @@ def machine_costs(target, drafter):
 @torch.inference_mode()
 def measure_costs(target, drafter, max_width=AUTO_TREE_CAP + 1, reps=3):
     """This machine's policy.Costs: a verify forward of b rows by w tokens over a COST_CONTEXT-token context at
-    policy.COST_BATCHES rows and policy.cost_widths(b) tokens, and at each b one draft (the chain's walk, and a
-    tree at the largest budget), each timed as the loop runs it. The rows are copies of one prefilled row."""
+    policy.COST_BATCHES rows and policy.cost_widths(b) tokens, and at each b one draft (the chain's walk; a tree at
+    the largest budget at one row), each timed as the loop runs it. The rows are copies of one prefilled row."""
     device, ctx, W = target.device, COST_CONTEXT, max_width
     prompt = torch.randint(target.vocab_size, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
     sampling = Sampling(0.0, 0, 1.0, torch.Generator(device=device))
     rows = _prefill(target, drafter, [prompt], ctx + W + 2, 1, W, False, sampling)
-    seconds, drafts, trees = {}, {}, {}
+    seconds, drafts, tree = {}, {b: 0.0 for b in COST_BATCHES}, 0.0
     for b in sorted(COST_BATCHES, reverse=True):  # each b's rows a prefix of the last's (select copies)
         rows.select(torch.zeros(b, dtype=torch.long, device=device) if b > rows.pos.shape[0] else
                     torch.arange(b, device=device))
         seconds[b] = time_verify(target, rows.cache, b, cost_widths(b, W), ctx, W, reps)
         if drafter is not None:
-            drafts[b], trees[b] = time_draft(target, drafter, rows, ctx, sampling, reps)
+            drafts[b], tree_b = time_draft(target, drafter, rows, ctx, sampling, reps, tree=b == 1)
+            tree = tree_b if b == 1 else tree
     one = seconds[1][1]
     verify = {b: {w: t / one for w, t in by_width.items()} for b, by_width in seconds.items()}
-    zero = {b: 0.0 for b in COST_BATCHES}
-    return grid_costs(verify, {b: t / one for b, t in drafts.items()} or zero,
-                      {b: t / one for b, t in trees.items()} or zero, W, cost_key(target, drafter), one * 1000)
+    # the tree's draft is the chain's block plus its selection: timed at one row, at b rows in the chain's proportion
+    trees = {b: tree / one * (drafts[b] / drafts[1] if drafts[1] else 1.0) for b in COST_BATCHES}
+    return grid_costs(verify, {b: t / one for b, t in drafts.items()}, trees, W, cost_key(target, drafter), one * 1000)
 
 
 def time_verify(target, cache, b, widths, ctx, max_width, reps):
@@ -489,9 +490,9 @@ def time_verify(target, cache, b, widths, ctx, max_width, reps):
     return seconds
 
 
-def time_draft(target, drafter, rows, ctx, sampling, reps):
-    """Seconds of one draft of rows' batch: (the chain's walk and confidences, a tree at the largest budget);
-    DSpark's walk and confidences for both (it has no tree)."""
+def time_draft(target, drafter, rows, ctx, sampling, reps, tree=True):
+    """Seconds of one draft of rows' batch: (the chain's walk and confidences, a tree at the largest budget, or 0
+    unless tree); DSpark's walk and confidences for both (it has no tree)."""
     B, sel, anchor, p = drafter.config.block_size, getattr(drafter, "candidate_selector", None), rows.anchor, rows.pos
 
     def chain():
@@ -499,11 +500,11 @@ def time_draft(target, drafter, rows, ctx, sampling, reps):
         drafts, *_ = select_path(sel, h, U, anchor, "dflash2", 0.0, None, with_candidates=False)
         draft_confidence(sel, h, U, anchor, drafts, "dflash2")
 
-    def tree():
+    def tree_draft():
         h, U = draft(drafter, target, rows.ctx, anchor, p, ctx, B)
         select_tree(sel, h, U, anchor, TREE_BUDGETS[-1], "selector", torch.full_like(p, B - 1))
 
     if hasattr(drafter, "markov_head"):
         t = _best_time(lambda: draft_dspark(drafter, target, rows.ctx, anchor, p, ctx, B, sampling), reps)
         return t, t
-    return _best_time(chain, reps), _best_time(tree, reps)
+    return _best_time(chain, reps), _best_time(tree_draft, reps) if tree else 0.0
