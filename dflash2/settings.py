@@ -182,18 +182,21 @@ class DecodeSettings:
         return self
 
     def resolved(self, device_type, drafter_block_size=None):
-        """The settings that run: block_size from the drafter (None for ar), tree_budget from the device type."""
+        """The settings that run: block_size from the drafter (None for ar), tree_budget from the device type, and
+        the policy "fixed" where nothing is drafted or shapes are static."""
         self.validate()
         block = None
         if self.method != "ar":
             block = self.block_size or drafter_block_size or 8
             if drafter_block_size is not None and block > drafter_block_size:
                 raise SettingError("block_size", f"{block} is larger than the drafter's block size {drafter_block_size}")
+        # static shapes verify whole blocks: every width would be one more compiled graph (the CLI's --compile too)
+        speculates = self.method in ("dflash2", "dflash", "dflash2-tree", "dspark") and not self.static
+        policy = self.policy if speculates else "fixed"
         budget = None
         if self.method == "dflash2-tree":  # auto: the cap the policy chooses under
-            budget = self.tree_budget or (AUTO_TREE_CAP if self.policy == "auto" else
+            budget = self.tree_budget or (AUTO_TREE_CAP if policy == "auto" else
                                           DEFAULT_TREE_BUDGET.get(device_type, DEFAULT_TREE_BUDGET["cuda"]))
-        policy = self.policy if self.method in ("dflash2", "dflash", "dflash2-tree", "dspark") else "fixed"
         return dataclasses.replace(self, block_size=block, tree_budget=budget, policy=policy)
 
     def asdict(self):

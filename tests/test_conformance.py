@@ -186,7 +186,7 @@ def test_agrees_with_the_authors_implementation(config_dict, seed, ctx_len, prom
     stops = [] if stop is None else [stop]
     emitted = []
     (res,) = sd.generate(Target(target, taps), ours, [prompt], max_new_tokens=max_new_tokens, stop_ids=stops,
-                         on_emit=lambda request, tokens: emitted.append(len(tokens)))
+                         on_emit=lambda request, tokens: emitted.append(len(tokens)), policy="fixed")
     with deterministic_walks():
         stats = reference.dflash_generate(theirs, target, torch.tensor([prompt]), max_new_tokens, stops or None,
                                           return_stats=True)
