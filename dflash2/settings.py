@@ -204,6 +204,7 @@ class DecodeSettings:
 
     @classmethod
     def from_record(cls, record):
-        """The settings stored in a trace's config record (other keys ignored)."""
+        """The settings stored in a trace's config record (other keys ignored); a record that names no policy
+        verified whole blocks (another implementation's trace)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in record.items() if k in names})
+        return cls(**dict({"policy": "fixed"}, **{k: v for k, v in record.items() if k in names}))

@@ -267,7 +267,8 @@ def trace_of(tmp_path, name, draft, max_new_tokens=24):
 
     pair = load_pair(str(GOLDEN / "target"), str(draft), torch.device("cpu"), torch.float32)
     stops = stop_token_ids(pair.target.model, pair.tokenizer)
-    settings = DecodeSettings(max_new_tokens=max_new_tokens, stop_ids=stops, block_size=pair.drafter.config.block_size)
+    settings = DecodeSettings(max_new_tokens=max_new_tokens, stop_ids=stops, block_size=pair.drafter.config.block_size,
+                              policy="fixed")
     path = tmp_path / f"{name}.jsonl"
     run(pair, golden_prompts(), settings, trace_path=path)
     return path, [json.loads(line) for line in path.read_text().splitlines()]
