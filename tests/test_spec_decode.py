@@ -109,9 +109,9 @@ def test_every_acceptance_length_is_exact(arch, data, block_size, batch):
 def test_batch_of_mixed_lengths_equals_each_alone(arch):
     model, target, drafter = pair(arch)
     prompts = [[1, 2, 3], list(range(5, 20)), [7], [9, 9, 8, 8, 7, 7, 6]]
-    batch = sd.generate(target, drafter, prompts, max_new_tokens=20)
+    batch = sd.generate(target, drafter, prompts, max_new_tokens=20, policy="fixed")  # a batch's width is its own
     for p, res in zip(prompts, batch):
-        alone = sd.generate(target, drafter, [p], max_new_tokens=20)[0]
+        alone = sd.generate(target, drafter, [p], max_new_tokens=20, policy="fixed")[0]
         assert res.tokens == alone.tokens and res.accepted == alone.accepted
 
 
@@ -140,7 +140,7 @@ def test_continuous_batching_equals_each_alone(arch, data, method, static):
     n = data.draw(st.integers(1, 16))
     refs = [reference_greedy(model, p, n) for p in prompts]
     stop = data.draw(st.sampled_from(sorted({t for r in refs for t in r})))  # some requests end early
-    kwargs = dict(method=method, max_new_tokens=n, stop_ids=[stop], static=static)
+    kwargs = dict(method=method, max_new_tokens=n, stop_ids=[stop], static=static, policy="fixed")
     batch, drafts = _drafts_by_step(target, drafter, prompts, max_batch=max_batch, **kwargs)
     for req, (p, ref, res) in enumerate(zip(prompts, refs, batch)):
         assert res.tokens == (ref[: ref.index(stop) + 1] if stop in ref else ref)
