@@ -137,6 +137,39 @@ class DrafterConfig:
             "use_sliding_window": self.use_sliding_window,
         }
 
+    def engine_draft_tokens(self):
+        """(SGLang's --speculative-num-draft-tokens, vLLM's num_speculative_tokens) for this block."""
+        raise NotImplementedError
+
+    def for_engines(self, target_layers=None, target_vocab=None):
+        """This config as vLLM 0.33.0 and SGLang 0.5.23 read it the way we do: (config, note). Sliding layers
+        with no window, which both engines refuse, are rewritten as full attention with their causality made
+        explicit (the note says so); ValueError names any field the engines would misread. target_layers /
+        target_vocab: the served target's layer count and vocabulary, when known."""
+        name = type(self).__name__
+        layers = self.num_target_layers if target_layers is None else target_layers
+        vocab = self.vocab_size if target_vocab is None else target_vocab
+        bad = [i for i in self.target_layer_ids if not 0 <= i < layers]
+        if self.num_target_layers != layers or bad:  # the engines capture hidden_states[id + 1], layer id's output
+            raise ValueError(f"{name}.target_layer_ids: {self.target_layer_ids} (for num_target_layers="
+                             f"{self.num_target_layers}) are not layers of the target, which has {layers}")
+        if self.vocab_size != vocab or not 0 <= self.mask_token_id < vocab:
+            raise ValueError(f"{name}.mask_token_id: {self.mask_token_id} (vocab_size {self.vocab_size}) is not a "
+                             f"token of the target's vocabulary of {vocab}")
+        sglang, vllm = self.engine_draft_tokens()
+        if vllm < 1:
+            raise ValueError(f"{name}.block_size: {self.block_size} gives vLLM num_speculative_tokens {vllm} and "
+                             f"SGLang --speculative-num-draft-tokens {sglang}; both need at least one draft")
+        self.validate()
+        windowless = [i for i, t in enumerate(self.layer_types) if t == "sliding_attention" and self.layer_window(i) is None]
+        if not windowless:
+            return self, None
+        return self.without_windowless_sliding(windowless)
+
+    def without_windowless_sliding(self, layers):
+        """(config, note): sliding layers with no window rewritten as full attention, each layer's causality kept."""
+        raise NotImplementedError
+
     def set_keys(self, d, keys):
         """d with those of keys whose value is not None (keys absent from the file stay absent)."""
         d.update({k: getattr(self, k) for k in keys if getattr(self, k) is not None})
@@ -206,6 +239,21 @@ class DFlash2Config(DrafterConfig):
         if kwargs.get("final_logit_softcapping") == 0:  # the authors' model reads 0 as "no softcap"
             kwargs["final_logit_softcapping"] = None
 
+    def engine_draft_tokens(self):
+        return self.block_size, self.block_size - 1  # SGLang verifies the whole block; vLLM counts the drafts
+
+    def without_windowless_sliding(self, layers):
+        causal = {self.layer_causal(i) for i in range(self.num_hidden_layers)}
+        if len(causal) > 1:
+            raise ValueError(f"DFlash2Config.use_sliding_window: layers {layers} are sliding with no window, which "
+                             f"vLLM and SGLang refuse, and one is_causal cannot keep both causal and bidirectional "
+                             f"layers if they become full attention; set use_sliding_window and sliding_window")
+        types = ["full_attention" if i in layers else t for i, t in enumerate(self.layer_types)]
+        config = dataclasses.replace(self, layer_types=types, is_causal=causal.pop())
+        return config, (f"layers {layers} slide with no window (use_sliding_window is {self.use_sliding_window}), "
+                        f"which vLLM and SGLang refuse: written as full_attention with is_causal {config.is_causal}, "
+                        f"which both read as we run them")
+
     def to_dict(self):
         """Qwen3-style config.json dict with a nested `dflash_config`."""
         d = self.set_keys(self.qwen3_dict(), ["max_window_layers"])
@@ -236,15 +284,22 @@ def read_checkpoint(path_or_hub_id):
     return DFlash2Config.from_dict(read_json(path / "config.json")), read_safetensors(path), path
 
 
-def write_checkpoint(directory, config, state):
-    """Write config.json (with dflash_config) and model.safetensors in the published layout."""
+def write_checkpoint(directory, config, state, target_layers=None, target_vocab=None):
+    """Write config.json and model.safetensors in the published layout, as the serving engines will read
+    them (config.for_engines: refuses what they would misread, warns once of a faithful rewrite)."""
+    import warnings
+
     from safetensors.torch import save_file
 
+    config, note = config.for_engines(target_layers, target_vocab)
+    if note:
+        warnings.warn(note, stacklevel=2)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, directory / "model.safetensors",
               metadata={"format": "pt"})
+    return config
 
 
 def resolve_checkpoint(path_or_hub_id):

@@ -4,15 +4,14 @@ selector: [anchor, MASK x (B-1)] through bidirectional layers over the target's 
 slot proposes (slot k drafts the token after position p+k), a rank-r Markov head conditions slot k's
 logits on the previous token of the walk, and a confidence head may cut the block before verification."""
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 import torch.nn as nn
 
-from .checkpoint import DrafterConfig, check_state_dict, read_json, read_safetensors, resolve_checkpoint
+from .checkpoint import (DrafterConfig, check_state_dict, read_json, read_safetensors, resolve_checkpoint,
+                         write_checkpoint)
 from .model import MLP, Attention, DFlash2Drafter, RMSNorm
 from .verify import sample_index
 
@@ -73,6 +72,20 @@ class DSparkConfig(DrafterConfig):
         if not kwargs.get("use_sliding_window"):
             kwargs["sliding_window"] = None
         kwargs["markov_head_type"] = (kwargs.get("markov_head_type") or "").lower() or None
+
+    def engine_draft_tokens(self):
+        return self.block_size + 1, self.block_size  # SGLang counts the anchor too; vLLM one draft per slot
+
+    def for_engines(self, target_layers=None, target_vocab=None):
+        if any(self.layer_window(i) is not None for i in range(self.num_hidden_layers)):
+            raise ValueError(f"DSparkConfig.layer_types: {self.layer_types}: vLLM and SGLang run sliding DSpark layers "
+                             f"causal (no is_causal in DeepSpec's config), while DSpark drafts bidirectionally")
+        return super().for_engines(target_layers, target_vocab)
+
+    def without_windowless_sliding(self, layers):
+        config = dataclasses.replace(self, layer_types=["full_attention"] * self.num_hidden_layers)
+        return config, (f"layers {layers} slide with no window, which vLLM and SGLang refuse: written as "
+                        f"full_attention (bidirectional, as DSpark runs them)")
 
     def to_dict(self):
         d = self.qwen3_dict() | {
@@ -260,19 +273,14 @@ def load_dspark(path_or_hub_id, device=None, dtype=None, attn_backend=None):
 
 
 def save_dspark(drafter, directory, dtype=None, with_embeddings=None):
-    """Write config.json and model.safetensors in DeepSpec's layout; with_embeddings (default: when the
-    drafter has them) keeps the embed_tokens / lm_head copies."""
-    from safetensors.torch import save_file
-
+    """Write config.json and model.safetensors in DeepSpec's layout (checkpoint.write_checkpoint);
+    with_embeddings (default: when the drafter has them) keeps the embed_tokens / lm_head copies."""
     dtype = dtype or next(drafter.parameters()).dtype
     with_embeddings = drafter.own_embeddings if with_embeddings is None else with_embeddings
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     config = dataclasses.replace(drafter.config, dtype=str(dtype).removeprefix("torch."))
-    (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()
+    state = {k: v.to(dtype) for k, v in drafter.state_dict().items()
              if with_embeddings or k not in ("embed_tokens.weight", "lm_head.weight")}
-    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    return write_checkpoint(directory, config, state)
 
 
 def draft_dspark(drafter, target, ctx, anchor, pos, ctx_len, block_size, sampling):
