@@ -79,8 +79,10 @@ vLLM 0.33.0:
 
     {vllm}
 
-Serving is lossless for any target weights; acceptance was measured against the target the drafter was trained
-with (dflash2-ref's README, "Serve it on a GPU cluster").
+The engines verify every draft against the target, so the output follows the target's distribution whatever this
+drafter proposes; how often drafts are accepted depends on the target's weights matching those it was trained
+against, and on the engine's options (vLLM's default draft_sample_method "greedy" walks greedily at T > 0).
+See dflash2-ref's README, "Serve it on a GPU cluster".
 """
 
 
