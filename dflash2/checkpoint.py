@@ -153,7 +153,10 @@ class DrafterConfig:
         if self.num_target_layers != layers or bad:  # the engines capture hidden_states[id + 1], layer id's output
             raise ValueError(f"{name}.target_layer_ids: {self.target_layer_ids} (for num_target_layers="
                              f"{self.num_target_layers}) are not layers of the target, which has {layers}")
-        if self.vocab_size != vocab or not 0 <= self.mask_token_id < vocab:
+        if self.vocab_size != vocab:
+            raise ValueError(f"{name}.vocab_size: {self.vocab_size}, but the target's vocabulary has {vocab} tokens "
+                             f"(the drafter shares its embedding and LM head)")
+        if not 0 <= self.mask_token_id < vocab:
             raise ValueError(f"{name}.mask_token_id: {self.mask_token_id} (vocab_size {self.vocab_size}) is not a "
                              f"token of the target's vocabulary of {vocab}")
         sglang, vllm = self.engine_draft_tokens()
