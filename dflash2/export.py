@@ -1,8 +1,8 @@
 """Serving-ready drafter directories for SGLang and vLLM (README, "Serve it on a GPU cluster").
 
-    dflash2-export dflash2-smollm2-135m serve/smollm2-dflash2
-    dflash2-export dspark-smollm2-135m serve/smollm2-dspark
-    dflash2-export runs/smollm2/drafter serve/my-drafter --target-config runs/target/config.json
+    dflash2-export dflash2-smollm2-135m ~/serve/smollm2-dflash2
+    dflash2-export dspark-smollm2-135m ~/serve/smollm2-dspark
+    dflash2-export runs/smollm2/drafter ~/serve/my-dflash2 --target-config runs/target/config.json
 
 writes config.json in the published layout (through checkpoint.write_checkpoint, which refuses what the
 engines would misread), model.safetensors without the target's tables, and a README.md with the target,

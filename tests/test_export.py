@@ -203,3 +203,19 @@ def test_engines_refuse_the_planted_bad_drafters(served, tmp_path_factory, capsy
     save_file(state, renamed / "model.safetensors")
     assert engines.read(renamed, layers, vocab)["unmapped"] == {"vllm": ["markov_head.bigram.weight"],
                                                                 "sglang": ["markov_head.bigram.weight"]}
+
+
+@pytest.mark.engines
+@pytest.mark.parametrize("arch", ["DFlash2DraftModel", "Qwen3DSparkModel"])
+@pytest.mark.parametrize("path", ["/srv/smollm2-dflash2", "/home/u/dflash2-ref/serve/smollm2-dspark", "/srv/EAGLE3-x/d",
+                                  "/srv/my-eagle-dflash2", "/srv/smollm2-d2", "/srv/DSpark-x", "relative/x"])
+def test_our_reading_of_vllms_path_guess_is_vllms(path, arch):
+    """export.vllm_method_from_path, which the writer's refusal uses, against vLLM's own if-chain (None: it raises)."""
+    import types
+
+    draft = types.SimpleNamespace(model=path, architectures=[arch], hf_config=types.SimpleNamespace(model_type="qwen3"))
+    try:
+        theirs = engines.engines().guess(types.SimpleNamespace(method=None, draft_model_config=draft), False)
+    except NotImplementedError:
+        theirs = None
+    assert export.vllm_method_from_path(path, arch) == theirs
