@@ -235,6 +235,10 @@ def decode_main(args):
         print(f"note: --draft-dtype {args.draft_dtype}: {pair.draft_dtype_reason}", file=sys.stderr)
     prompt = encode_prompt(pair.tokenizer, text, args.system, chat=not args.no_chat_template)
     settings = decode_settings(args, pair, stop_token_ids(pair.target.model, pair.tokenizer))
+    try:  # every input of generate (the prompt's length too) is checked before the costs are read or measured
+        sd.check_generate_args(pair.target, pair.drafter, [prompt], settings, None)
+    except SettingError as e:
+        raise as_input_error(e) from e
     if args.compile:  # compile at the edge; the loop itself stays plain Python
         sd.compile_core(pair.target, pair.drafter)
         settings = dataclasses.replace(settings, static=True)
