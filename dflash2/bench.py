@@ -37,7 +37,7 @@ from .target import Target
 
 
 # Random-weight pairs of realistic shapes, to time steps where no checkpoint is at hand (the GPU check
-# of docs/BENCHMARKS.md "Compiled core and attention kernels"): with random weights tau means nothing, the per-step split does.
+# of docs/BENCHMARKS.md "Compiled core"): with random weights tau means nothing, the per-step split does.
 SYNTHETIC = {
     # MiniMax-M3's text layout (SPEC §7: 3 dense layers, then MSA attention + MoE with 128 experts, top-4,
     # a shared expert; per-head QK norm, RoPE over 64 of 128 dims) with MiniMax-M2's published widths

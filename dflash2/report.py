@@ -157,7 +157,7 @@ def profile_table(rows):
     return "\n".join(out)
 
 
-def alternate_table(rows, config):
+def alternate_table(rows, config, sections=SECTIONS):
     """--alternate: tok/s per round of each mode (eager, compiled), and compiled / eager; with --profile the split."""
     n = config["alternate"]
     out = ["Eager vs compiled, alternating in one process: tok/s per round\n",
@@ -171,7 +171,7 @@ def alternate_table(rows, config):
                 cells = [f"{e:.1f} | {k:.1f}" for e, k in zip(tok["eager"], tok["compiled"])]
                 ratio = statistics.mean(tok["compiled"]) / statistics.mean(tok["eager"])
                 out.append(f"| {task} | {m} | {c} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
-    if config.get("profile"):
+    if config.get("profile") and "profile" in sections:
         out += ["", "Per-step time split by round, ms (--profile)\n",
                 "| round | mode | task | method | " + " | ".join(PHASES) + " |", "|---" * (4 + len(PHASES)) + "|"]
         for r in rows:
@@ -215,7 +215,7 @@ def text(data, sections=SECTIONS):
     """Every table of a bench results JSON (the dict the bench wrote), in the order the run printed them."""
     config = data["config"]
     if "alternate" in data:
-        return alternate_table(data["alternate"], config)
+        return alternate_table(data["alternate"], config, sections)
     if "pld_sweep" in data:
         return pld_table(data["pld_sweep"], config)
     out = []
