@@ -3,12 +3,15 @@ import gzip
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
 from dflash2 import bench
 from targets import DATA_DIR, tiny_drafter, tiny_target
 from tiny_tokenizer import tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"benchmark data not found at {DATA_DIR} "
                                 "(set DFLASH2_DATA_DIR to a copy of the ../shared/data layout)")
@@ -432,3 +435,20 @@ def test_protocol_runs_the_cards_cells_and_reports_them_again_from_its_file(tiny
     assert "Verified widths" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="not a readable results JSON"):
         bench.main(["--report", str(tmp_path / "missing.json")])
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the git history (a checkout, not an sdist)")
+def test_compare_commits_runs_two_copies_side_by_side(tmp_path):
+    """docs/compare_commits.py on the golden pair: HEAD against itself, one round; the table says the outputs agree."""
+    import subprocess
+
+    write_tiny_data(tmp_path / "data")
+    golden = ROOT / "tests" / "golden"
+    done = subprocess.run([sys.executable, str(ROOT / "docs" / "compare_commits.py"), "--old", "HEAD", "--new", "HEAD",
+                           "--target", str(golden / "target"), "--draft", str(golden / "draft"), "--data-dir",
+                           str(tmp_path / "data"), "--num-prompts", "1", "--max-new-tokens", "6", "--rounds", "1",
+                           "--methods", "ar,dflash2", "--block-size", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| ar |", "| dflash2 |"))]
+    assert len(rows) == 2 and all(line.endswith("| True |") for line in rows), done.stdout
