@@ -3,12 +3,15 @@
     python -m dflash2.bench                                               # embedded SmolLM2 pair, greedy, 16 prompts/task
     python -m dflash2.bench --temperature 1.0 --top-p 0.95 --max-new-tokens 4096 --num-prompts 128   # the card's sampling
     python -m dflash2.bench --tasks gsm8k,mbpp --concurrency 1,8 --out results.json --plot results.png
+    python -m dflash2.bench --protocol --num-prompts 16 --max-new-tokens 256 --out card.json   # ar, dflash2, dspark
+    python -m dflash2.bench --report card.json                              # its tables again, from the file
 
 Every method decodes the same prompts in the same process, so the speedups are ratios measured in
 one run. Acceptance length tau = per-request mean of completion tokens / verification steps;
 throughput = total output tokens / end-to-end wall time (prefill included), with `concurrency`
 requests in flight, batched by our loop: a finished request's row takes the next waiting prompt at
-once (continuous batching, as a serving engine's maximum concurrency does).
+once (continuous batching, as a serving engine's maximum concurrency does). With --rounds N the methods
+of a cell take turns N times (the first one rotating), so the machine's drift falls on all of them.
 """
 import argparse
 import dataclasses
@@ -660,6 +663,21 @@ def compare(rows, outputs):
             r["speedup_vs_hf"] = r["throughput_tok_s"] / hf["throughput_tok_s"]
 
 
+def eager_and_compiled(run, args, eager):
+    """--alternate: the eager path warmed up too, then the rounds of alternate(); its rows, any difference said."""
+    compiled = core_functions(run.target, run.drafter)
+    for obj, name, fn in eager:
+        setattr(obj, name, fn)
+    first = next(iter(run.prompts.values()))[0]
+    for m in args.methods:
+        generate(run.target, run.drafter, [first], method_settings(m, args, max_new_tokens=8, static=False))
+    rows = alternate(run.target, run.drafter, run.prompts, args, run.stop_ids, eager, compiled)
+    for r in rows:
+        if r["identical_to_ar"] is False:
+            print(f"WARNING: round {r['round']} {r['mode']} {r['method']} output differs on {r['task']}", flush=True)
+    return rows
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.report:
@@ -678,20 +696,9 @@ def main(argv=None):
     warm_up(run, args)
     config = dict(vars(args), torch=torch.__version__)
     if args.alternate:
-        compiled = core_functions(run.target, run.drafter)
-        for obj, name, fn in eager:  # warm the eager path up too
-            setattr(obj, name, fn)
-        first = next(iter(run.prompts.values()))[0]
-        for m in args.methods:
-            generate(run.target, run.drafter, [first], method_settings(m, args, max_new_tokens=8, static=False))
-        rows = alternate(run.target, run.drafter, run.prompts, args, run.stop_ids, eager, compiled)
-        for r in rows:
-            if r["identical_to_ar"] is False:
-                print(f"WARNING: round {r['round']} {r['mode']} {r['method']} output differs on {r['task']}", flush=True)
-        data = {"config": config, "alternate": rows}
+        data = {"config": config, "alternate": eager_and_compiled(run, args, eager)}
         Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
         return data
-
     rows, outputs = cells(run, args)
     compare(rows, outputs)
     config.update(block_size=args.block_size or (run.drafter.config.block_size if run.drafter else 1))
