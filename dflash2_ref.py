@@ -12,6 +12,7 @@ The trace format is documented in docs/TRACE.md.
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import traceback
 import warnings
@@ -129,6 +130,8 @@ def check_args(args):
         settings = settings_of(args)
         if not args.atol >= 0:
             raise InputError(f"--atol must be >= 0, got {args.atol}")
+        if args.trace is not None and not os.access(Path(args.trace).resolve().parent, os.W_OK):
+            raise InputError(f"--trace {args.trace}: its folder does not exist or is not writable")
         if args.check_trace is None and settings.method != "ar":
             # config.json only; a hub id's is checked after loading
             settings.resolved("cpu", drafter_block_size(args.draft))

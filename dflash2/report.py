@@ -30,10 +30,13 @@ def sampling_name(temperature, top_p, top_k=0):
 
 
 def costs_lines(config):
-    """The machine's measured costs the policy ran with, one line per drafter (older files: one, unnamed)."""
+    """The machine as the run saw it, and its measured costs the policy ran with, one line per drafter (older files:
+    one, unnamed)."""
     costs = config.get("costs") or {}
     named = {"": costs} if "verify" in costs else costs
-    return [(f"{name} " if name else "") + "costs (units of a one-token forward): verify "
+    torch = f"; torch {config['torch']}" if config.get("torch") else ""
+    machine = [f"machine: {config['machine']}{torch}"] if config.get("machine") and costs else []
+    return machine + [(f"{name} " if name else "") + "costs (units of a one-token forward): verify "
             + ", ".join(f"V({w}) {v}" for w, v in c["verify"].items())
             + f"; draft {c['draft']}, tree draft {c['draft_tree']}; V(1) = {c['one_token_forward_ms']} ms"
             + ("" if c.get("steady", True) else " (UNSTEADY: no two measurements agreed; not cached)")

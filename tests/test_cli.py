@@ -128,6 +128,7 @@ def bad_inputs(tmp):
         (["--prompt", "the", "--target", str(tmp / "missing"), "--draft", str(GOLDEN / "draft")], 2,
          "no such model directory"),
         (["--check-trace", str(tmp / "missing.jsonl")], 2, "not a readable JSON Lines trace"),
+        (["--prompt", "the", "--trace", str(tmp / "missing" / "t.jsonl")], 2, "its folder does not exist"),
         (["--prompt", "the", "--attn-backend", "flash"], 2, "attention backend 'flash' cannot run on cpu"),
         (["--prompt", "the", "--attn-backend", "flex", "--compile"], 2, "'flex' cannot be compiled into the drafter on CPU"),
     ]
