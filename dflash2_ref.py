@@ -12,6 +12,7 @@ The trace format is documented in docs/TRACE.md.
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import traceback
 import warnings
@@ -129,6 +130,8 @@ def check_args(args):
         settings = settings_of(args)
         if not args.atol >= 0:
             raise InputError(f"--atol must be >= 0, got {args.atol}")
+        if args.trace is not None and not os.access(Path(args.trace).resolve().parent, os.W_OK):
+            raise InputError(f"--trace {args.trace}: its folder does not exist or is not writable")
         if args.check_trace is None and settings.method != "ar":
             # config.json only; a hub id's is checked after loading
             settings.resolved("cpu", drafter_block_size(args.draft))
@@ -235,6 +238,10 @@ def decode_main(args):
         print(f"note: --draft-dtype {args.draft_dtype}: {pair.draft_dtype_reason}", file=sys.stderr)
     prompt = encode_prompt(pair.tokenizer, text, args.system, chat=not args.no_chat_template)
     settings = decode_settings(args, pair, stop_token_ids(pair.target.model, pair.tokenizer))
+    try:  # every input of generate (the prompt's length too) is checked before the costs are read or measured
+        sd.check_generate_args(pair.target, pair.drafter, [prompt], settings, None)
+    except SettingError as e:
+        raise as_input_error(e) from e
     if args.compile:  # compile at the edge; the loop itself stays plain Python
         sd.compile_core(pair.target, pair.drafter)
         settings = dataclasses.replace(settings, static=True)

@@ -52,22 +52,6 @@ def check_sampling_params(temperature, top_p, top_k):
         raise ValueError(f"top_k must be >= 0 (0 means no top-k), got {top_k}")
 
 
-def check_block_size(block_size, largest=None):
-    """A block holds the anchor and at least one draft, and no more slots than the drafter was built for."""
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {block_size}")
-    if largest is not None and block_size > largest:
-        raise ValueError(f"block_size {block_size} is larger than the drafter's block size {largest}")
-
-
-def check_tree_settings(budget, scores):
-    """A tree has at least one node; its path scores come from the selector or the marginals."""
-    if budget is not None and budget < 1:
-        raise ValueError(f"tree_budget must be >= 1, got {budget}")
-    if scores not in TREE_SCORES:
-        raise ValueError(f"tree_scores must be one of {TREE_SCORES}, got {scores!r}")
-
-
 def cache_dir():
     """Where the embedded target's converted copy and the measured costs live: $DFLASH2_CACHE, else
     $XDG_CACHE_HOME/dflash2-ref, else ~/.cache/dflash2-ref."""

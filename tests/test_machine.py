@@ -168,7 +168,7 @@ def test_cli_subprocess_on_an_avx2_cpu(bf16_pair):
     target_dir, draft_dir = bf16_pair
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", DFLASH2_MACHINE="native_bf16=0,cpu_capability=AVX2")
     cmd = [sys.executable, "-c", EMULATE, "--target", str(target_dir), "--draft", str(draft_dir),
-           "--prompt", "the time", "--max-new-tokens", "8", "--baseline", "--json"]
+           "--prompt", "the time", "--max-new-tokens", "8", "--block-size", "4", "--baseline", "--json"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
