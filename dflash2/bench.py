@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import machine, spec_decode
+from . import machine, policy, proposers, spec_decode
 from .kernels import check_attn_backend, prepack_linears
 from .dspark import DSparkDrafter
 from .model import DFlash2Drafter
@@ -179,9 +179,10 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
     measured by wrapping the loop's step functions."""
     meter = CallMeter(timings, target.device)
     if timings is not None:
-        for name, phase in (("_prefill", "prefill"), ("draft", "drafter"), ("select_path", "selector"),
-                            ("select_tree", "selector")):  # a tree's build counts as its selection
-            meter.watch(spec_decode, name, phase)
+        for module, name, phase in ((spec_decode, "_prefill", "prefill"), (proposers, "draft", "drafter"),
+                                    (proposers, "select_path", "selector"),
+                                    (proposers, "select_tree", "selector")):  # a tree's build counts as its selection
+            meter.watch(module, name, phase)
         meter.watch(target, "forward", "verify")
     bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
     emitted = [0] * len(prompts)
@@ -703,7 +704,7 @@ def main(argv=None):
     # Untimed warm-up of every method, so one-time costs (allocator, kernels, compilation) are billed to no one.
     first = next(iter(prompts.values()))[0]
     if drafter is not None and args.policy == "auto":  # this machine's costs, measured once, before any timing
-        costs = spec_decode.machine_costs(target, drafter)
+        costs = policy.machine_costs(target, drafter)
         args.costs = dict(verify={w: round(costs.V(w), 3) for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)},
                           draft=round(costs.draft, 3), draft_tree=round(costs.draft_tree, 3),
                           one_token_forward_ms=round(costs.ms_per_token, 2), steady=costs.steady)

@@ -23,8 +23,8 @@ from dflash2.spec_decode import generate  # noqa: E402
 class NeverDrafts(Policy):
     """Every step plain: the loop's cost where no draft would pay."""
 
-    def drafts(self, alive):
-        self.widths = [1] * len(self.rows)
+    def begin(self, requests, steps, alive):
+        super().begin(requests, steps, alive)
         return False
 
 
@@ -61,7 +61,7 @@ def main():
                 else:
                     res = generate(pair.target, pair.drafter, [p], max_new_tokens=args.max_new_tokens, block_size=8,
                                    stop_ids=stops, **({"policy": policy} if policy != "plain" else
-                                                      {"speculation": NeverDrafts(pair_costs(pair), 8)}))[0]
+                                                      {"policy_override": NeverDrafts(pair_costs(pair), 8)}))[0]
                 seconds = time.perf_counter() - start
                 total[policy][0] += len(res.tokens)
                 total[policy][1] += seconds
@@ -73,7 +73,7 @@ def main():
 
 
 def pair_costs(pair):
-    from dflash2.spec_decode import machine_costs
+    from dflash2.policy import machine_costs
 
     return machine_costs(pair.target, pair.drafter)
 

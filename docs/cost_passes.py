@@ -1,4 +1,4 @@
-"""How far apart this machine's measurements of the policy's costs fall (`spec_decode.measure_costs`, run N times in
+"""How far apart this machine's measurements of the policy's costs fall (`policy.measure_costs`, run N times in
 one process): per pass the V(w) ratios and the drafts, then the largest difference from the pass before, in the share
 `policy.agree` compares with `policy.STEADY`. On a quiet machine passes agree; on a busy one they scatter, which is
 why `policy.costs_for` caches costs only when two passes in a row agree.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash2 import policy, spec_decode  # noqa: E402
+from dflash2 import policy  # noqa: E402
 from dflash2.pair import load_pair  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def main():
           f"from the pass before (STEADY = {policy.STEADY}) |\n" + "|---" * (len(policy.COST_WIDTHS) + 4) + "|")
     prev = None
     for i in range(args.passes):
-        c = spec_decode.measure_costs(pair.target, pair.drafter)
+        c = policy.measure_costs(pair.target, pair.drafter)
         gap = ""
         if prev is not None:
             pairs = [(f"V({w})", prev.V(w), c.V(w)) for w in policy.COST_WIDTHS] + [

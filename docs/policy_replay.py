@@ -4,7 +4,7 @@ prompt if every step cost what measure_costs says (a plain step V(1), a drafted 
     python docs/policy_replay.py --tasks mt-bench:0:10,chat-heldout:0:10,gsm8k:0:3 --data-dir ../shared/data
 
 Pass 1 (slow, cached in --cache): greedy decoding of each prompt one token per step, with the drafter run at every
-position; it records the uncut drafts of the full block and the law's confidences c_t (spec_decode.draft_confidence,
+position; it records the uncut drafts of the full block and the law's confidences c_t (proposers.selector_confidence,
 which this script wraps to read them). Greedy output does not depend on the policy, so the tokens a drafted step
 would accept at position i are the leading drafts equal to the output after i.
 Pass 2: policy.Policy itself (and the full block, for comparison) walks each output: at each step it decides to
@@ -20,25 +20,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash2 import spec_decode  # noqa: E402
-from dflash2.policy import Costs, Policy  # noqa: E402
+from dflash2 import proposers, spec_decode  # noqa: E402
+from dflash2.policy import Costs, Policy, machine_costs  # noqa: E402
 
 
 class EveryPosition(Policy):
     """Drafts at every step and verifies the anchor alone: one token per step, the drafter seen everywhere."""
 
-    def drafts(self, alive):
-        self.widths = [1] * len(self.rows)
+    def begin(self, requests, steps, alive):
+        super().begin(requests, steps, alive)
         return True
 
     def cut_chain(self, conf):
-        self.widths = [1] * len(self.rows)
         return torch.zeros(conf.shape[0], dtype=torch.long, device=conf.device), 1
 
 
 class FullBlock(Policy):
-    def drafts(self, alive):
-        self.widths = [self.cap] * len(self.rows)
+    def begin(self, requests, steps, alive):
+        super().begin(requests, steps, alive)
         return True
 
     def cut_chain(self, conf):
@@ -48,8 +47,8 @@ class FullBlock(Policy):
 class ResetWait(Policy):
     """The policy before commit b1bb333: a drafted step after which drafting still pays resets the wait to 2."""
 
-    def end(self, alive, accepted, drafted):
-        super().end(alive, accepted, drafted)
+    def end(self, alive, accepted, drafted, width):
+        super().end(alive, accepted, drafted, width)
         if drafted:
             for s, a in zip(self.rows, alive):
                 if a and s.rate >= 1.0:
@@ -61,16 +60,16 @@ def record(specs, data_dir, max_new_tokens):
     from dflash2.prompts import encode_prompt, format_prompt, load_tasks
 
     pair = load_pair()
-    costs = spec_decode.machine_costs(pair.target, pair.drafter)
-    seen, wrapped = {}, spec_decode.draft_confidence
+    costs = machine_costs(pair.target, pair.drafter)
+    seen, wrapped = {}, proposers.selector_confidence
 
-    def confidence(selector, h, U, anchor, drafts, method):
-        conf = wrapped(selector, h, U, anchor, drafts, method)
+    def confidence(selector, h, U, anchor, drafts, cand_ids=None):
+        conf = wrapped(selector, h, U, anchor, drafts, cand_ids)
         seen["drafts"].append(drafts[0].tolist())
         seen["conf"].append(conf[0].tolist())
         return conf
 
-    spec_decode.draft_confidence = confidence
+    proposers.selector_confidence = confidence
     rows, stops = [], stop_token_ids(pair.target.model, pair.tokenizer)
     try:
         for spec in specs.split(","):
@@ -79,12 +78,12 @@ def record(specs, data_dir, max_new_tokens):
             for i, text in enumerate(texts):
                 seen.update(drafts=[], conf=[])
                 ids = encode_prompt(pair.tokenizer, format_prompt(task, text))
-                res = spec_decode.generate(pair.target, pair.drafter, [ids], speculation=EveryPosition(costs, 8),
+                res = spec_decode.generate(pair.target, pair.drafter, [ids], policy_override=EveryPosition(costs, 8),
                                            block_size=8, max_new_tokens=max_new_tokens, stop_ids=stops)[0]
                 rows.append(dict(task=task, index=int(first) + i, tokens=res.tokens, **seen))
                 print(f"recorded {task} {int(first) + i}: {len(res.tokens)} tokens", file=sys.stderr, flush=True)
     finally:
-        spec_decode.draft_confidence = wrapped
+        proposers.selector_confidence = wrapped
     return dict(costs=costs.__dict__, rows=rows)
 
 
@@ -103,9 +102,8 @@ def replay(row, policy, costs, extra=0.0):
     step is charged `extra` on top of the measured draft (what the loop adds: the context writes)."""
     n, i, cost, steps, drafted_steps = len(row["tokens"]), 0, 0.0, 0, 0
     while i < n - 1:
-        policy.begin([0], [steps])
-        drafted = policy.drafts([True])
-        accepted = 0
+        drafted = policy.begin([0], [steps], [True])
+        accepted, width = 0, 1
         if drafted:
             keep, width = policy.cut_chain(torch.tensor([row["conf"][i]]))
             accepted = min(accepted_at(row, i), int(keep[0]), n - 2 - i)
@@ -113,7 +111,7 @@ def replay(row, policy, costs, extra=0.0):
             drafted_steps += 1
         else:
             cost += 1.0
-        policy.end([True], [accepted], drafted)
+        policy.end([True], [accepted], drafted, width)
         i, steps = i + accepted + 1, steps + 1
     return (n - 1) / cost, drafted_steps / max(steps, 1)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash2 import model, spec_decode as sd  # noqa: E402
+from dflash2 import model, proposers, spec_decode as sd  # noqa: E402
 from dflash2.pair import load_pair, stop_token_ids  # noqa: E402
-from dflash2.policy import Policy  # noqa: E402
+from dflash2.policy import Policy, machine_costs  # noqa: E402
 from dflash2.prompts import encode_prompt, format_prompt, load_tasks  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def main():
     text = load_tasks([args.task], args.data_dir, args.first + 1)[args.task][args.first]
     prompt = encode_prompt(pair.tokenizer, format_prompt(args.task, text))
     stops = stop_token_ids(pair.target.model, pair.tokenizer)
-    costs = sd.machine_costs(pair.target, pair.drafter)
+    costs = machine_costs(pair.target, pair.drafter)
     part, steps, last = collections.defaultdict(float), [], [None]
 
     def timed(name, fn):
@@ -43,8 +43,8 @@ def main():
             return out
         return wrapper
 
-    for obj, name, label in ((sd, "draft", "drafter (with the flush)"), (sd, "select_path", "selector"),
-                             (sd, "draft_confidence", "confidences"), (model.DraftContext, "_project", "projections"),
+    for obj, name, label in ((proposers, "draft", "drafter (with the flush)"), (proposers, "select_path", "selector"),
+                             (proposers, "selector_confidence", "confidences"), (model.DraftContext, "_project", "projections"),
                              (pair.target, "forward", "target forward"), (sd, "verify_greedy", "verification")):
         setattr(obj, name, timed(label, getattr(obj, name)))
 
@@ -55,20 +55,20 @@ def main():
             part["cut"] += time.perf_counter() - start
             return out
 
-        def end(self, alive, accepted, drafted):
+        def end(self, alive, accepted, drafted, width):
             now = time.perf_counter()
             if last[0] is not None:
                 steps.append((drafted, now - last[0], dict(part)))
             part.clear()
             last[0] = now
-            super().end(alive, accepted, drafted)
+            super().end(alive, accepted, drafted, width)
 
     print(f"{args.task} {args.first}, {args.max_new_tokens} new tokens; V(1) {costs.ms_per_token:.1f} ms, draft "
           f"{costs.draft:.2f} (measure_costs)")
     for rnd in range(args.rounds):
         steps.clear()
         last[0] = None
-        sd.generate(pair.target, pair.drafter, [prompt], speculation=Timed(costs, 8), max_new_tokens=args.max_new_tokens,
+        sd.generate(pair.target, pair.drafter, [prompt], policy_override=Timed(costs, 8), max_new_tokens=args.max_new_tokens,
                     block_size=8, stop_ids=stops)
         for drafted in (False, True):
             mine = [s for s in steps if s[0] == drafted]

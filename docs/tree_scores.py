@@ -33,7 +33,8 @@ from dflash2.bench import format_prompt, load_tasks
 from dflash2.model import DraftContext
 from dflash2.pair import load_pair, stop_token_ids
 from dflash2.prompts import encode_prompt
-from dflash2.spec_decode import draft, generate, tree_mask
+from dflash2.proposers import draft
+from dflash2.spec_decode import generate, tree_mask
 from dflash2.verify import build_tree, marginal_log_weights, process_logits, selector_log_weights
 
 # The scores compared: the selector's (this project's default), the walk's own law (softmax over the K

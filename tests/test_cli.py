@@ -207,7 +207,7 @@ def test_default_dspark_pair_greedy_matches_autoregressive(capsys):
 def test_unsteady_costs_are_said_and_not_cached(capsys, monkeypatch, tmp_path):
     """A busy machine while the costs are measured (no two measurements agree): the CLI says so on stderr, the
     run goes on with them, and nothing is cached."""
-    from dflash2 import policy, spec_decode
+    from dflash2 import policy
 
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
     policy._MEMO.clear()
@@ -217,7 +217,7 @@ def test_unsteady_costs_are_said_and_not_cached(capsys, monkeypatch, tmp_path):
         calls.append(1)
         return policy.Costs([1.0] + [1.0 + 2 * len(calls)] * 40, 0.3, 0.3, policy.cost_key(target, drafter), 1.0)
 
-    monkeypatch.setattr(spec_decode, "measure_costs", jumpy)
+    monkeypatch.setattr(policy, "measure_costs", jumpy)
     rc, out, err = cli(capsys, *PAIR, "--prompt", "the time of day", "--max-new-tokens", "6")
     policy._MEMO.clear()
     assert rc == 0, err

@@ -9,16 +9,16 @@ F = 1 is the specification, F = 0 a greedy walk (one-hot q). It runs bench.py wi
 import runpy
 import sys
 
-import dflash2.spec_decode as spec_decode
+import dflash2.proposers as proposers
 
 F = float(sys.argv[1])
-_select_path = spec_decode.select_path
+_select_path = proposers.select_path
 
 
-def scaled_select_path(selector, h, U, anchor, method, temperature, generator, **kw):
-    return _select_path(selector, h, U, anchor, method, temperature * F, generator, **kw)
+def scaled_select_path(selector, h, U, anchor, temperature, generator):
+    return _select_path(selector, h, U, anchor, temperature * F, generator)
 
 
-spec_decode.select_path = scaled_select_path  # looked up as a module global by the decoding loop
+proposers.select_path = scaled_select_path  # looked up as a module global by DFlash2Walk
 sys.argv = ["dflash2.bench"] + sys.argv[2:]
 runpy.run_module("dflash2.bench", run_name="__main__")
