@@ -202,13 +202,13 @@ class DSparkWalk:
         return Draft(drafts, q, confidence)
 
 
-CHAINS = {"dflash2": DFlash2Walk, "dflash2-tree": DFlash2Walk, "dflash": DFlash1Walk, "dspark": DSparkWalk,
+PROPOSERS = {"dflash2": DFlash2Walk, "dflash2-tree": DFlash2Walk, "dflash": DFlash1Walk, "dspark": DSparkWalk,
           "ar": NoDrafts}  # each method's proposer (settings.METHODS)
 
 
 def proposer_kind(method, propose=None):
     """The class that proposes for a method (a test's propose replaces a drafter)."""
-    kind = CHAINS[method]
+    kind = PROPOSERS[method]
     return Forced if propose is not None and kind is not NoDrafts else kind
 
 

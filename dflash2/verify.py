@@ -134,7 +134,8 @@ def acceptance_probability(p_draft, q_draft):
 
 
 def residual_distribution(p, q):
-    """normalize(max(P - q, 0)) over the last dim; P itself where that has no mass (then P == q and rejection never happens)."""
+    """normalize(max(P - q, 0)) over the last dim, and P itself where that has no mass (P == q). verify_sampled never
+    rejects there (it accepts when u < min(1, P/q) = 1); a rule that can (SGLang's case (i) does) draws from P."""
     residual = (p - q).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
     return torch.where(mass > 0, residual / mass, p)

@@ -113,6 +113,8 @@ def bad_inputs(tmp):
         (["--prompt", "the", "--block-size", "7"], 2, "larger than the drafter's block size 6"),
         (["--prompt", "the", "--block-size", "1"], 2, "--block-size must be >= 2"),
         (["--prompt", "the", "--method", "dflash2-tree", "--tree-budget", "0"], 2, "--tree-budget must be >= 1"),
+        (["--prompt", "the", "--dspark-threshold", "1.5"], 2, "--dspark-threshold must be in [0, 1]"),
+        (["--prompt", "the", "--dspark-threshold", "0.5"], 2, "--dspark-threshold is DSpark's cut: it needs method"),
         (["--prompt", "the", "--device", "tpu9"], 2, "--device 'tpu9' is not usable"),
         (["--prompt", "the", "--draft", drafter_dir(tmp / "h", hidden_size=48)], 2,
          "hidden_size 48 does not match the target's 32"),

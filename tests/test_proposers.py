@@ -177,3 +177,11 @@ def test_one_token_writes_read_back_as_one_batched_write(planted):
     batch = projected(drafter, features, positions, False)
     same = all(torch.allclose(a, b, atol=1e-6, rtol=1e-6) for kv, kv_ref in zip(one, batch) for a, b in zip(kv, kv_ref))
     assert same == (planted is None)
+
+
+def test_every_method_has_a_proposer():
+    from dflash2.settings import METHODS
+
+    assert set(proposers.PROPOSERS) == set(METHODS)
+    assert proposers.proposer_kind("dflash2", propose=lambda a, p: None) is proposers.Forced
+    assert proposers.proposer_kind("ar", propose=lambda a, p: None) is proposers.NoDrafts
