@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from dflash2 import policy as pol, spec_decode as sd, verify
 from dflash2.target import Target
@@ -162,6 +162,22 @@ def test_the_chain_cut_is_a_stopping_rule_that_keeps_the_target_law(cfg, rho, c)
     vocab, n = cfg["vocab"], cfg["n"]
     law = cut_law(P, Q, vocab, n, policy_rule(Q, vocab, n, rho, c))
     assert abs(sum(law.values()) - 1) < 1e-12
+    assert max_error_against_target(law, P, vocab, n) < 1e-9
+
+
+@settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=toy_settings.filter(lambda c: c["n"] >= 2 and c["walk"] == "sampled"), at=st.floats(0.05, 0.95))
+def test_a_cut_between_the_confidences_keeps_the_target_law(cfg, at):
+    """The rate put between two values slot 2's confidence takes (so whether d_2 is verified depends on d_1, as a
+    stopping rule may): the law stays exact. A rule that judged a slot by a later slot's confidence, which reads
+    the draft it judges, fails here."""
+    P, Q, _ = build_toy(cfg)
+    vocab, n = cfg["vocab"], cfg["n"]
+    index = {prefix: row for row, prefix in enumerate(all_prefixes(vocab, n))}
+    c1, seen = float(Q[0].max()), sorted({float(Q[index[(d,)]].max()) for d in range(vocab) if Q[0, d] > 0})
+    assume(len(seen) > 1 and seen[-1] - seen[0] > 1e-3)
+    t = seen[0] + at * (seen[-1] - seen[0])
+    law = cut_law(P, Q, vocab, n, policy_rule(Q, vocab, n, c1 * t, costs(1.0, 0.0)))
     assert max_error_against_target(law, P, vocab, n) < 1e-9
 
 
