@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import machine, report, spec_decode
+from . import machine, policy, proposers, report, spec_decode
 from .kernels import check_attn_backend, prepack_linears
 from .dspark import DSparkDrafter
 from .model import DFlash2Drafter
@@ -164,9 +164,10 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
     measured by wrapping the loop's step functions."""
     meter = CallMeter(timings, target.device)
     if timings is not None:
-        for name, phase in (("_prefill", "prefill"), ("draft", "drafter"), ("select_path", "selector"),
-                            ("select_tree", "selector")):  # a tree's build counts as its selection
-            meter.watch(spec_decode, name, phase)
+        for module, name, phase in ((spec_decode, "_prefill", "prefill"), (proposers, "draft", "drafter"),
+                                    (proposers, "select_path", "selector"),
+                                    (proposers, "select_tree", "selector")):  # a tree's build counts as its selection
+            meter.watch(module, name, phase)
         meter.watch(target, "forward", "verify")
     bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
     emitted = [0] * len(prompts)
@@ -557,7 +558,7 @@ def warm_up(run, args):
     to no one. Compiled runs warm up at the real length: static cache shapes depend on it."""
     if args.policy == "auto":
         drafters = {"dflash2": run.drafter, "dspark": run.dspark}
-        args.costs = {name: costs_record(spec_decode.machine_costs(run.target, d))
+        args.costs = {name: costs_record(policy.machine_costs(run.target, d))
                       for name, d in drafters.items() if d is not None}
         for line in report.costs_lines(vars(args)):
             print(line, flush=True)

@@ -281,26 +281,3 @@ def save_dspark(drafter, directory, dtype=None, with_embeddings=None):
     state = {k: v.to(dtype) for k, v in drafter.state_dict().items()
              if with_embeddings or k not in ("embed_tokens.weight", "lm_head.weight")}
     return write_checkpoint(directory, config, state)
-
-
-def draft_dspark(drafter, target, ctx, anchor, pos, ctx_len, block_size, sampling):
-    """DSpark (docs/DSPARK.md): the same block forward over [anchor, MASK x (B-1)], but every slot proposes: slot k
-    drafts the token at position pos + k + 1 by the Markov walk (dspark.dspark_walk). The block is never shrunk
-    (DeepSpec's loop); verification is cut instead. Returns drafts [b, B], q [b, B, V] and the confidence of each
-    slot [b, B]: sigma of the confidence head where the checkpoint has one (it reads h_k and the previous draft),
-    else the largest probability of the walk's law at T = 1 (also a function of the previous draft only)."""
-    block_pos = pos[:, None] + torch.arange(block_size, device=pos.device)
-    dtype = next(drafter.parameters()).dtype
-    head = drafter.lm_head if drafter.own_embeddings else target.lm_head_as(dtype)
-    embeds = drafter.embed_block(anchor, drafter.embed_tokens if drafter.own_embeddings else target.embed_tokens,
-                                 block_size).to(dtype)
-    slots = torch.arange(ctx_len, device=pos.device)
-    h = drafter(embeds, block_pos, ctx.view(ctx_len), slots[None, :] < pos[:, None])
-    drafts, q = dspark_walk(drafter, h, anchor, head, sampling.walk_temperature, sampling.generator)
-    conf = drafter.confidence_logits(h, walk_prev_ids(anchor, drafts))
-    if conf is None:
-        prev = walk_prev_ids(anchor, drafts)
-        conf = dspark_logits(drafter, h, prev, head).softmax(-1).amax(-1)
-    else:
-        conf = conf.sigmoid()
-    return drafts, q, conf

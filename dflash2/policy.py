@@ -22,14 +22,20 @@ In a batch each row is cut on its own and the forward is as wide as the widest r
 the batch's: the one the row that wants the most nodes chooses).
 """
 import bisect
+import functools
 import hashlib
+import itertools
 import json
+import time
 from dataclasses import dataclass
 
 import torch
 
 from .machine import machine
+from .proposers import drafter_proposer
+from .settings import AUTO_TREE_CAP, cache_dir
 from .target import text_config
+from .verify import Sampling
 
 COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)  # measured; the rest interpolated
 COST_CONTEXT = 256  # context length the costs are measured at
@@ -86,7 +92,7 @@ _MEMO = {}
 
 def costs_for(target, drafter, measure, cache_file=None):
     """This machine's costs for the pair: from memory, else from the cache file, else measured (measure(target,
-    drafter) is spec_decode.measure_costs, 1-3 s) and stored. A busy machine times some widths in a quiet moment
+    drafter) is measure_costs, 1-3 s) and stored. A busy machine times some widths in a quiet moment
     and others not: measured costs are stored only when two measurements in a row agree (steady); otherwise
     (MAX_PASSES without) their median serves this process, marked unsteady, and the next process measures again."""
     key = cost_key(target, drafter)
@@ -154,30 +160,26 @@ class RequestState:
 
 
 class Policy:
-    """The widths of the loop's steps (module docstring). The loop calls, each step: begin (which rows are in
-    flight), drafts (step 1), cut_chain or cut_tree inside the step (step 2), then end with what was accepted."""
+    """The widths of the loop's steps (module docstring). A step's contract, for every policy: begin (step 1:
+    whether the drafter runs), then inside a drafted step cut_chain or cut_tree (step 2), then end with what the
+    step verified and accepted. Nothing is carried from a cut to end but what the step returns."""
 
     def __init__(self, costs, cap, tree=False, forget=0.7):
         self.costs, self.cap, self.tree, self.forget = costs, cap, tree, forget
         self.state = {}  # request -> RequestState
         self.rows = []  # the states of this step's rows
-        self.widths = []  # each row's verified block this step (1: its anchor alone); the forward's is the widest
 
-    def begin(self, requests, steps):
-        self.rows = [self.state.setdefault(r, RequestState()) for r in requests]
-
-    def drafts(self, alive):
+    def begin(self, requests, steps, alive):
         """Step 1, from earlier steps only: whether the drafter runs this step (some live row wants it)."""
-        self.widths = [1] * len(self.rows)
+        self.rows = [self.state.setdefault(r, RequestState()) for r in requests]
         return any(a and s.plain_left == 0 for a, s in zip(alive, self.rows))
 
     def cut_chain(self, conf):
         """Step 2 of a chain: conf [b, n] the law's largest probability per slot. Returns the drafts each row
-        verifies [b] and the widest block (host)."""
+        verifies [b] and the forward's width, the widest row's block (host)."""
         rho = torch.tensor([max(1.0, s.rate) for s in self.rows], device=conf.device)
         keep = chain_keep(conf, rho, self.costs)
-        self.widths = (keep + 1).tolist()  # the host sync of the decision
-        return keep, max(self.widths)
+        return keep, int(keep.max()) + 1  # the host sync of the decision
 
     def cut_tree(self, tree):
         """Step 2 of a tree: the budget among TREE_BUDGETS (up to the cap) with the most expected tokens per
@@ -185,13 +187,12 @@ class Policy:
         mass = torch.where(tree.valid, tree.scores.float().exp(), 0.0).sort(-1, descending=True).values.cumsum(-1)
         budgets = [b for b in TREE_BUDGETS if b <= min(self.cap, mass.shape[1])] or [mass.shape[1]]
         rate = torch.stack([(1 + mass[:, b - 1]) / (self.costs.draft_tree + self.costs.V(b + 1)) for b in budgets], 1)
-        budget = budgets[int(rate.argmax(-1).max())]
-        self.widths = [budget + 1] * len(self.rows)
-        return budget
+        return budgets[int(rate.argmax(-1).max())]
 
-    def end(self, alive, accepted, drafted):
-        """After a step: each live row's tokens (accepted + 1) for what the step cost."""
-        cost = (self.costs.draft_tree if self.tree else self.costs.draft) + self.costs.V(max(self.widths))
+    def end(self, alive, accepted, drafted, width):
+        """After a step: each live row's tokens (accepted + 1) for what the step cost, a draft and a verify
+        forward `width` tokens wide."""
+        cost = (self.costs.draft_tree if self.tree else self.costs.draft) + self.costs.V(width)
         for s, a, n in zip(self.rows, alive, accepted):
             if not a:
                 continue
@@ -215,6 +216,25 @@ def chain_keep(conf, rho, costs):
     return (conf.float().cumprod(-1) >= rho[:, None] * (verify[1:] - verify[:-1])).long().cumprod(-1).sum(-1)
 
 
+class ConfidenceThreshold:
+    """DSpark's own cut (DeepSpec's eval/dspark/draft_ops.py): every step drafts, and each row verifies the drafts
+    before its first slot whose confidence sigma(c_k) < threshold. c_k reads the drafts before slot k only, so
+    the cut is a stopping rule, lossless at every temperature (SPEC §10)."""
+
+    def __init__(self, threshold):
+        self.threshold = threshold
+
+    def begin(self, requests, steps, alive):
+        return True
+
+    def cut_chain(self, conf):
+        keep = (conf >= self.threshold).long().cumprod(-1).sum(-1)
+        return keep, int(keep.max()) + 1
+
+    def end(self, alive, accepted, drafted, width):
+        pass
+
+
 class ReplayPolicy:
     """The widths a trace recorded, step by step (check_trace replays a run of the auto policy with it)."""
 
@@ -222,10 +242,8 @@ class ReplayPolicy:
         self.recorded = recorded  # (request, step) -> that row's verified block (1: its anchor alone)
         self.widths = []
 
-    def begin(self, requests, steps):
+    def begin(self, requests, steps, alive):
         self.widths = [self.recorded.get((r, s), 1) for r, s in zip(requests, steps)]
-
-    def drafts(self, alive):
         return max(self.widths) > 1
 
     def cut_chain(self, conf):
@@ -234,5 +252,63 @@ class ReplayPolicy:
     def cut_tree(self, tree):
         return max(self.widths) - 1
 
-    def end(self, alive, accepted, drafted):
+    def end(self, alive, accepted, drafted, width):
         pass
+
+
+# --- this machine's costs, measured ---
+
+
+def _best_time(fn, reps, least_s=0.02, warm=True):
+    """The fastest of at least reps calls (more while they take under least_s in all), after a warm-up."""
+    if warm:
+        fn()  # first calls allocate
+    best, spent, n = float("inf"), 0.0, 0
+    while n < reps or spent < least_s:
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        took = time.perf_counter() - start
+        best, spent, n = min(best, took), spent + took, n + 1
+    return best
+
+
+def machine_costs(target, drafter):
+    """This machine's Costs for the pair: measured once (measure_costs) and cached in the cache dir."""
+    return costs_for(target, drafter, measure_costs, cache_dir() / "costs.json")
+
+
+@torch.inference_mode()
+def measure_costs(target, drafter, max_width=AUTO_TREE_CAP + 1, reps=3):
+    """This machine's Costs: a verify forward at COST_WIDTHS over a COST_CONTEXT-token context, and one draft of
+    the drafter's proposer (proposers.drafter_proposer: its walk and confidences, and for a drafter that makes
+    trees a tree at the largest budget), each timed as the loop runs it."""
+    device, ctx, W = target.device, COST_CONTEXT, max_width
+    ids = torch.randint(target.vocab_size, (1, ctx), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(ctx, device=device)[None]
+    cache = target.new_cache(ctx + W + 2)
+    logits, feats = target.forward(ids, positions, cache, ctx)
+    widths = [x for x in COST_WIDTHS if x <= W]
+    calls = {w: functools.partial(target.forward, torch.zeros(1, w, dtype=torch.long, device=device),
+                                  ctx + torch.arange(w, device=device)[None], cache, ctx + W) for w in widths}
+    seconds = {w: float("inf") for w in widths}
+    for i in range(reps):  # rounds over every width, so that a busy moment slows all widths alike
+        for w in widths:
+            seconds[w] = min(seconds[w], _best_time(calls[w], 1, warm=i == 0))
+    one = seconds[1]
+    draft_cost = tree_cost = 0.0
+    if drafter is not None:
+        proposer = drafter_proposer(target, drafter)
+        context = proposer.context(1, ctx + W + 2, device, defer=True)
+        context.write(feats, positions)
+        anchor, pos = logits[:, -1].argmax(-1), torch.tensor([ctx], device=device)
+        sizes = torch.full_like(pos, proposer.width)
+        sampling = Sampling(0.0, 0, 1.0, torch.Generator(device=device))
+        draft_cost = tree_cost = _best_time(
+            lambda: proposer.draft(context, anchor, pos, sizes, ctx, sampling).confidence, reps) / one
+        if proposer.trees:
+            tree_cost = _best_time(lambda: proposer.tree(context, anchor, pos, sizes, ctx, "selector")(TREE_BUDGETS[-1]),
+                                   reps) / one
+    verify = list(itertools.accumulate(interpolate({w: t / one for w, t in seconds.items()}, W), max))  # never cheaper wider
+    return Costs(verify, draft_cost, tree_cost, cost_key(target, drafter), one * 1000)

@@ -126,6 +126,7 @@ class DecodeSettings:
     static: bool = False  # bucketed shapes, for a compiled core
     policy: str = "fixed"  # "auto": each step's width from measured costs and the drafter's law (policy.py)
     walk: str = "sample"  # at T > 0: "sample" draws each draft from the selector's law; "greedy" takes its argmax
+    dspark_threshold: float = 0.0  # dspark: verify the drafts before the first with sigma(c_k) < this; 0 = off (DeepSpec's)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
@@ -156,6 +157,12 @@ class DecodeSettings:
             out.append(("policy", f"must be one of {POLICIES}, got {self.policy!r}"))
         if self.max_batch is not None and not self.max_batch >= 1:
             out.append(("max_batch", f"must be >= 1, got {self.max_batch}"))
+        if not 0 <= self.dspark_threshold <= 1:
+            out.append(("dspark_threshold", f"must be in [0, 1] (0 means off), got {self.dspark_threshold}"))
+        elif self.dspark_threshold > 0 and self.method != "dspark":
+            out.append(("dspark_threshold", f"is DSpark's cut: it needs method 'dspark', got {self.method!r}"))
+        elif self.dspark_threshold > 0 and self.policy == "auto":
+            out.append(("dspark_threshold", "is a cut of its own: it needs policy 'fixed', not 'auto'"))
         return out
 
     def validate(self):

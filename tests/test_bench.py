@@ -331,7 +331,7 @@ def test_profile_times_every_phase_without_timers_in_the_loop():
     run, and the output is the same as without the profile."""
     import argparse
 
-    from dflash2 import spec_decode as sd
+    from dflash2 import proposers, spec_decode as sd
     from dflash2.target import Target
 
     model = tiny_target("llama")
@@ -345,7 +345,7 @@ def test_profile_times_every_phase_without_timers_in_the_loop():
     assert set(timings) == {"prefill", "drafter", "selector", "verify", "bookkeeping"}
     assert all(v > 0 for v in timings.values()) and abs(sum(timings.values()) - wall) < 1e-9
     assert [r.tokens for r in profiled] == [r.tokens for r in plain]
-    assert "forward" not in vars(target) and sd.draft.__name__ == "draft" and sd._prefill.__name__ == "_prefill"
+    assert "forward" not in vars(target) and proposers.draft.__name__ == "draft" and sd._prefill.__name__ == "_prefill"
 
 
 def test_interleave_times_prompt_by_prompt_in_rotating_order(tiny_pair, tmp_path, capsys, monkeypatch):

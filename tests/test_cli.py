@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dflash2_ref
-from dflash2 import settings
+from dflash2 import policy, settings
 from dflash2.model import DFlash2Drafter
 from targets import tiny_glm_config
 
@@ -114,6 +114,8 @@ def bad_inputs(tmp):
         (["--prompt", "the", "--block-size", "7"], 2, "larger than the drafter's block size 6"),
         (["--prompt", "the", "--block-size", "1"], 2, "--block-size must be >= 2"),
         (["--prompt", "the", "--method", "dflash2-tree", "--tree-budget", "0"], 2, "--tree-budget must be >= 1"),
+        (["--prompt", "the", "--dspark-threshold", "1.5"], 2, "--dspark-threshold must be in [0, 1]"),
+        (["--prompt", "the", "--dspark-threshold", "0.5"], 2, "--dspark-threshold is DSpark's cut: it needs method"),
         (["--prompt", "the", "--device", "tpu9"], 2, "--device 'tpu9' is not usable"),
         (["--prompt", "the", "--draft", drafter_dir(tmp / "h", hidden_size=48)], 2,
          "hidden_size 48 does not match the target's 32"),
@@ -173,7 +175,8 @@ def test_bad_inputs_exit_with_one_clear_line(capsys, tmp_path, monkeypatch):
     from dflash2 import spec_decode
 
     monkeypatch.setattr(spec_decode, "machine_costs", never_measured)
-    monkeypatch.setattr(spec_decode, "measure_costs", never_measured)
+    monkeypatch.setattr(policy, "machine_costs", never_measured)
+    monkeypatch.setattr(policy, "measure_costs", never_measured)
     for argv, code, phrase in bad_inputs(tmp_path):
         if "--target" not in argv and "--check-trace" not in argv:  # the golden pair unless the case names its own
             argv = PAIR + argv if "--draft" not in argv else ["--target", str(GOLDEN / "target")] + argv
@@ -188,7 +191,8 @@ def test_generate_checks_its_inputs_before_the_costs(monkeypatch):
     from dflash2 import pair as pair_module, spec_decode
 
     monkeypatch.setattr(spec_decode, "machine_costs", never_measured)
-    monkeypatch.setattr(spec_decode, "measure_costs", never_measured)
+    monkeypatch.setattr(policy, "machine_costs", never_measured)
+    monkeypatch.setattr(policy, "measure_costs", never_measured)
     loaded = pair_module.load_pair(str(GOLDEN / "target"), str(GOLDEN / "draft"), torch.device("cpu"), torch.float32)
     with pytest.raises(settings.InputError, match="prompt too long"):
         spec_decode.generate(loaded.target, loaded.drafter, [[1] * 1100], max_new_tokens=8, policy="auto")
@@ -242,7 +246,7 @@ def test_measured_costs_are_said_once_and_cached(capsys, monkeypatch, tmp_path):
         calls.append(1)
         return policy.Costs([1.0 + 0.05 * w for w in range(40)], 0.2, 0.3, policy.cost_key(target, drafter), 1.0)
 
-    monkeypatch.setattr(spec_decode, "measure_costs", steady)
+    monkeypatch.setattr(policy, "measure_costs", steady)
     rc, _, err = cli(capsys, *PAIR, "--prompt", "the time of day", "--max-new-tokens", "6")
     assert rc == 0, err
     assert "measuring this machine's verify and draft costs" in err and "unsteady" not in err
@@ -257,7 +261,7 @@ def test_measured_costs_are_said_once_and_cached(capsys, monkeypatch, tmp_path):
 def test_unsteady_costs_are_said_and_not_cached(capsys, monkeypatch, tmp_path):
     """A busy machine while the costs are measured (no two measurements agree): the CLI says so on stderr, the
     run goes on with them, and nothing is cached."""
-    from dflash2 import policy, spec_decode
+    from dflash2 import policy
 
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
     policy._MEMO.clear()
@@ -267,7 +271,7 @@ def test_unsteady_costs_are_said_and_not_cached(capsys, monkeypatch, tmp_path):
         calls.append(1)
         return policy.Costs([1.0] + [1.0 + 2 * len(calls)] * 40, 0.3, 0.3, policy.cost_key(target, drafter), 1.0)
 
-    monkeypatch.setattr(spec_decode, "measure_costs", jumpy)
+    monkeypatch.setattr(policy, "measure_costs", jumpy)
     rc, out, err = cli(capsys, *PAIR, "--prompt", "the time of day", "--max-new-tokens", "6")
     policy._MEMO.clear()
     assert rc == 0, err

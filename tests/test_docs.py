@@ -1,5 +1,7 @@
 """docs/SPEC.md is the section list the code cites: every "SPEC §n" in the package, the CLI, the tests,
-README.md and docs/*.md names a section it has, and its sections are numbered 1..N without gaps."""
+README.md and docs/*.md names a section it has, and its sections are numbered 1..N without gaps. And every name
+of the code the docs cite, `module.name`, `module.Class.attr` or `module.py: name`, exists there."""
+import importlib
 import re
 from pathlib import Path
 
@@ -78,7 +80,67 @@ def citation_problems(root):
     return problems
 
 
+# `policy.Policy.cut_chain`, `dflash2.spec_decode.generate(...)`: a package module, then attributes
+DOTTED = re.compile(r"`(?:dflash2\.)?([a-z_][a-z0-9_]*)((?:\.[A-Za-z_][A-Za-z0-9_]*)+)(?=[`( \[:,])")
+# `spec_decode.py: decode_step`, `model.py: DraftContext.write`: the README's guided reading
+IN_FILE = re.compile(r"`(?:dflash2/)?([a-z_][a-z0-9_]*)\.py: ([A-Za-z_][A-Za-z0-9_.]*)`")
+FILE_NAMES = ("py", "md", "json", "jsonl", "safetensors", "png")  # `model.safetensors` names a file
+
+
+def package_modules(root):
+    return {p.stem for p in (Path(root) / "dflash2").glob("*.py") if p.stem != "__init__"}
+
+
+def cited_names(line, modules):
+    """[(module, [attribute, ...])] for every backticked name of a package module in one line."""
+    out = [(m.group(1), m.group(2)[1:].split(".")) for m in DOTTED.finditer(line)]
+    out += [(m.group(1), m.group(2).split(".")) for m in IN_FILE.finditer(line)]
+    return [(mod, parts) for mod, parts in out if mod in modules and parts[-1] not in FILE_NAMES]
+
+
+def resolves(module, parts):
+    obj = importlib.import_module(f"dflash2.{module}")
+    for p in parts:
+        if not hasattr(obj, p):
+            return False
+        obj = getattr(obj, p)
+    return True
+
+
+def name_problems(root):
+    """'file:line: `module.name` does not exist' for every cited name of README.md and docs/*.md that the code
+    (this checkout's dflash2) does not have."""
+    root, modules = Path(root), package_modules(ROOT)
+    problems = []
+    for path in [root / "README.md"] + sorted((root / "docs").glob("*.md")):
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for module, parts in cited_names(line, modules):
+                if not resolves(module, parts):
+                    problems.append(f"{path.relative_to(root).as_posix()}:{lineno}: `{'.'.join([module] + parts)}` "
+                                    "does not exist")
+    return problems
+
+
 # --- the repository ---
+
+
+def test_every_cited_name_exists():
+    problems = name_problems(ROOT)
+    assert not problems, "names in the docs that the code lacks:\n  " + "\n  ".join(problems)
+    cited = [n for f in [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+             for line in f.read_text(encoding="utf-8").splitlines() for n in cited_names(line, package_modules(ROOT))]
+    assert len(cited) > 50  # the scan sees the docs' names (a pattern that matched nothing would pass vacuously)
+
+
+def test_a_stale_name_is_reported(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("Runs `spec_decode.generate(...)`, `policy.Policy.cut_chain` and\n"
+                                        "`model.py: DraftContext.write`; reads `model.safetensors`.\n"
+                                        "Gone: `train.drafter_loss`, `spec_decode.py: draft_confidence`.\n")
+    (tmp_path / "docs" / "X.md").write_text("`policy.Policy.no_such_method`, `torch.compile`\n")
+    assert name_problems(tmp_path) == [
+        "README.md:3: `train.drafter_loss` does not exist", "README.md:3: `spec_decode.draft_confidence` does not exist",
+        "docs/X.md:1: `policy.Policy.no_such_method` does not exist"]
 
 
 def test_spec_sections_are_numbered_without_gaps():
