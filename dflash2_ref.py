@@ -12,6 +12,7 @@ The trace format is documented in docs/TRACE.md.
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import traceback
 import warnings
@@ -69,6 +70,9 @@ def build_parser():
                         "here, in generate and in the bench: each step verifies the drafts the drafter's law expects "
                         "accepted where this machine's measured costs say they pay, up to the drafter's block, or "
                         "decodes plainly when drafting does not pay (policy.py)")
+    p.add_argument("--dspark-threshold", type=float, default=0.0,
+                   help="--method dspark: verify each row's drafts before the first slot whose confidence head says "
+                        "sigma(c_k) < X (DeepSpec's cut; 0 = off, its default); the block is then fixed")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="the target's (default: float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--draft-dtype", choices=DTYPE_NAMES,
@@ -103,19 +107,22 @@ def parse_args(argv=None):
 # DecodeSettings field -> the flag that sets it (an error names the flag the user typed)
 FLAGS = {"method": "--method", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
          "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "block_size": "--block-size",
-         "tree_budget": "--tree-budget", "tree_scores": "--tree-scores", "walk": "--walk"}
+         "tree_budget": "--tree-budget", "tree_scores": "--tree-scores", "walk": "--walk",
+         "dspark_threshold": "--dspark-threshold"}
 
 
 def settings_of(args, stop_ids=()):
     """The run's DecodeSettings from the command line, checked (before torch is imported)."""
     tree = args.method == "dflash2-tree"
-    # a number fixes every step's width; so does --compile (each width would be one more compiled graph)
-    fixed = (args.tree_budget if tree else args.block_size) != "auto" or args.compile
+    # a number fixes every step's width; so does --compile (each width would be one more compiled graph), and
+    # DSpark's threshold, a cut of its own
+    fixed = (args.tree_budget if tree else args.block_size) != "auto" or args.compile or args.dspark_threshold > 0
     settings = DecodeSettings(method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=stop_ids,
                               block_size=None if args.block_size == "auto" else args.block_size,
                               tree_budget=None if args.tree_budget == "auto" else args.tree_budget,
-                              tree_scores=args.tree_scores, policy="fixed" if fixed else "auto", walk=args.walk)
+                              tree_scores=args.tree_scores, policy="fixed" if fixed else "auto", walk=args.walk,
+                              dspark_threshold=args.dspark_threshold)
     return settings.validate()
 
 
@@ -130,6 +137,8 @@ def check_args(args):
         settings = settings_of(args)
         if not args.atol >= 0:
             raise InputError(f"--atol must be >= 0, got {args.atol}")
+        if args.trace is not None and not os.access(Path(args.trace).resolve().parent, os.W_OK):
+            raise InputError(f"--trace {args.trace}: its folder does not exist or is not writable")
         if args.check_trace is None and settings.method != "ar":
             # config.json only; a hub id's is checked after loading
             settings.resolved("cpu", drafter_block_size(args.draft))
@@ -236,18 +245,22 @@ def decode_main(args):
         print(f"note: --draft-dtype {args.draft_dtype}: {pair.draft_dtype_reason}", file=sys.stderr)
     prompt = encode_prompt(pair.tokenizer, text, args.system, chat=not args.no_chat_template)
     settings = decode_settings(args, pair, stop_token_ids(pair.target.model, pair.tokenizer))
+    try:  # every input of generate (the prompt's length too) is checked before the costs are read or measured
+        sd.check_generate_args(pair.target, pair.drafter, [prompt], settings, None)
+    except SettingError as e:
+        raise as_input_error(e) from e
     if args.compile:  # compile at the edge; the loop itself stays plain Python
         sd.compile_core(pair.target, pair.drafter)
         settings = dataclasses.replace(settings, static=True)
 
     if settings.policy == "auto":  # this machine's costs, measured once (cached), before anything is timed
-        from dflash2.policy import cost_key
+        from dflash2.policy import cost_key, machine_costs
         from dflash2.settings import cache_dir
 
         if not args.json and cost_key(pair.target, pair.drafter) not in costs_file_keys(cache_dir() / "costs.json"):
             print("[policy] measuring this machine's verify and draft costs once (a few seconds; cached in "
                   f"{cache_dir() / 'costs.json'})", file=sys.stderr)
-        costs = sd.machine_costs(pair.target, pair.drafter)
+        costs = machine_costs(pair.target, pair.drafter)
         if not costs.steady and not args.json:
             print("[policy] note: this machine's timings were unsteady while measuring (is it busy?); the costs serve "
                   "this run only and are measured again next time", file=sys.stderr)

@@ -16,8 +16,8 @@ _API = {
     "DFlash2Drafter": "model", "CandidateSelector": "model", "DynamicConv": "model",
     "DFlash2Config": "checkpoint", "CheckpointError": "checkpoint", "load_drafter": "model",
     # the loop and its math (SPEC §5)
-    "generate": "spec_decode", "Result": "results", "Target": "target", "DecodeSettings": "settings", "draft": "spec_decode",
-    "select_path": "spec_decode", "process_logits": "verify", "verify_greedy": "verify",
+    "generate": "spec_decode", "Result": "results", "Target": "target", "DecodeSettings": "settings", "draft": "proposers",
+    "select_path": "proposers", "process_logits": "verify", "verify_greedy": "verify",
     "verify_sampled": "verify", "compile_core": "spec_decode",
     # a target and its drafter together
     "Pair": "pair", "load_pair": "pair", "check_pair": "pair", "load_target": "pair",

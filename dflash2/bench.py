@@ -3,18 +3,20 @@
     python -m dflash2.bench                                               # embedded SmolLM2 pair, greedy, 16 prompts/task
     python -m dflash2.bench --temperature 1.0 --top-p 0.95 --max-new-tokens 4096 --num-prompts 128   # the card's sampling
     python -m dflash2.bench --tasks gsm8k,mbpp --concurrency 1,8 --out results.json --plot results.png
+    python -m dflash2.bench --protocol --num-prompts 16 --max-new-tokens 256 --out card.json   # ar, dflash2, dspark
+    python -m dflash2.bench --report card.json                              # its tables again, from the file
 
 Every method decodes the same prompts in the same process, so the speedups are ratios measured in
 one run. Acceptance length tau = per-request mean of completion tokens / verification steps;
 throughput = total output tokens / end-to-end wall time (prefill included), with `concurrency`
 requests in flight, batched by our loop: a finished request's row takes the next waiting prompt at
-once (continuous batching, as a serving engine's maximum concurrency does).
+once (continuous batching, as a serving engine's maximum concurrency does). With --rounds N the methods
+of a cell take turns N times (the first one rotating), so the machine's drift falls on all of them.
 """
 import argparse
 import dataclasses
 import importlib.util
 import json
-import statistics
 import sys
 import time
 from contextlib import contextmanager
@@ -23,11 +25,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import machine, spec_decode
+from . import machine, policy, proposers, report, spec_decode
 from .kernels import check_attn_backend, prepack_linears
 from .dspark import DSparkDrafter
 from .model import DFlash2Drafter
 from .pair import load_target, stop_token_ids
+from .policy import COST_WIDTHS
 from .prompts import ALL_TASKS, TASKS, encode_prompt, format_prompt, load_tasks
 from .settings import DEFAULT_DRAFT, DEFAULT_DSPARK_DRAFT, METHODS, TREE_SCORES, DecodeSettings, HelpFormatter
 from .results import Result, mean_tau, width_shares
@@ -37,7 +40,7 @@ from .target import Target
 
 
 # Random-weight pairs of realistic shapes, to time steps where no checkpoint is at hand (the GPU check
-# of docs/BENCHMARKS.md "Compiled core and attention kernels"): with random weights tau means nothing, the per-step split does.
+# of docs/BENCHMARKS.md "Compiled core"): with random weights tau means nothing, the per-step split does.
 SYNTHETIC = {
     # MiniMax-M3's text layout (SPEC §7: 3 dense layers, then MSA attention + MoE with 128 experts, top-4,
     # a shared expert; per-head QK norm, RoPE over 64 of 128 dims) with MiniMax-M2's published widths
@@ -127,25 +130,7 @@ def alternate(target, drafter, prompts, args, stop_ids, eager, compiled):
                         if timings is not None:
                             rows[-1]["step_ms"] = step_ms(results, timings)
     args.compile = True
-    lines = ["Eager vs compiled, alternating in one process: tok/s per round\n",
-             "| task | method | c | " + " | ".join(f"eager {i + 1} | compiled {i + 1}" for i in range(args.alternate))
-             + " | compiled / eager (mean) |", "|---" * (4 + 2 * args.alternate) + "|"]
-    for task in args.tasks:
-        for c in args.concurrency:
-            for m in args.methods:
-                mine = [r for r in rows if (r["task"], r["method"], r["concurrency"]) == (task, m, c)]
-                tok = {mode: [r["throughput_tok_s"] for r in mine if r["mode"] == mode] for mode in ("eager", "compiled")}
-                cells = [f"{e:.1f} | {k:.1f}" for e, k in zip(tok["eager"], tok["compiled"])]
-                ratio = statistics.mean(tok["compiled"]) / statistics.mean(tok["eager"])
-                lines.append(f"| {task} | {m} | {c} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
-    if args.profile:
-        lines += ["", "Per-step time split by round, ms (--profile)\n",
-                  "| round | mode | task | method | " + " | ".join(PHASES) + " |", "|---" * (4 + len(PHASES)) + "|"]
-        for r in rows:
-            t = r["step_ms"]
-            lines.append(f"| {r['round']} | {r['mode']} | {r['task']} | {r['method']} | "
-                         + " | ".join(f"{t[k]:.1f}" if k in t else "–" for k in PHASES) + " |")
-    print("\n".join(lines))
+    print(report.alternate_table(rows, vars(args)))
     return rows
 
 
@@ -179,9 +164,10 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
     measured by wrapping the loop's step functions."""
     meter = CallMeter(timings, target.device)
     if timings is not None:
-        for name, phase in (("_prefill", "prefill"), ("draft", "drafter"), ("select_path", "selector"),
-                            ("select_tree", "selector")):  # a tree's build counts as its selection
-            meter.watch(spec_decode, name, phase)
+        for module, name, phase in ((spec_decode, "_prefill", "prefill"), (proposers, "draft", "drafter"),
+                                    (proposers, "select_path", "selector"),
+                                    (proposers, "select_tree", "selector")):  # a tree's build counts as its selection
+            meter.watch(module, name, phase)
         meter.watch(target, "forward", "verify")
     bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
     emitted = [0] * len(prompts)
@@ -343,167 +329,11 @@ def run_peer(model, method, prompts, args, stop_ids, desc, timings=None, zlab=No
     return results, clock["wall"]
 
 
-PHASES = ["drafter", "selector", "verify", "bookkeeping"]  # the phases run_method's profile times in each step
-
-
 def step_ms(results, timings):
     """Milliseconds per request-step by phase: a batched step's time shared among its rows, so at
     concurrency 1 the time of a decode step (the prefill, its own phase, is left out)."""
     steps = sum(r.verify_steps - 1 for r in results)  # decode steps: the prefill counts as step 1
     return {k: 1000 * v / max(steps, 1) for k, v in timings.items() if k != "prefill"}
-
-
-def profile_table(rows):
-    """Milliseconds per request-step by phase (see step_ms); the drafting overhead relative to verification;
-    and what a step costs in ar steps at the same task and concurrency. That cost is the tau a method needs
-    to break even there: its speedup over ar is about tau / cost (prefill aside)."""
-    out = ["", "Per-step time split, ms per request-step: a batched step's time shared among its rows (overhead = "
-           "drafter + selector + bookkeeping, as a share of verify; ar steps = this step's time / an ar step's at "
-           "the same task and concurrency: the tau that breaks even)\n",
-           "| task | concurrency | method | " + " | ".join(PHASES) + " | overhead | ar steps |",
-           "|---" * (len(PHASES) + 5) + "|"]
-    total = {(r["task"], r["concurrency"], r["method"]): sum(r["step_ms"].values()) for r in rows if "step_ms" in r}
-    for r in rows:
-        if "step_ms" not in r:
-            continue
-        t = r["step_ms"]
-        if not t.get("verify"):  # every request ended at its prefill
-            continue
-        overhead = sum(t.get(k, 0.0) for k in ("drafter", "selector", "bookkeeping")) / t["verify"]
-        ar = total.get((r["task"], r["concurrency"], "ar"))
-        cost = f"{sum(t.values()) / ar:.2f}" if ar else "–"
-        out.append(f"| {r['task']} | {r['concurrency']} | {r['method']} | "
-                   + " | ".join(f"{t.get(k, 0.0):.1f}" for k in PHASES) + f" | {100 * overhead:.0f}% | {cost} |")
-    return "\n".join(out) + "\n"
-
-
-def _shown(r, text):
-    """A table cell: the figure, or in words why the method did not run there."""
-    return text if r.get("cannot_run") is None else r["cannot_run"].split(" (")[0]
-
-
-def tables(rows, tasks, methods, concurrencies):
-    """The model card's layout: tau per task, throughput per task x (concurrency, method), speedup ranges."""
-    cell = {(r["task"], r["method"], r["concurrency"]): r for r in rows}
-    drafts = [m for m in methods if m not in ("ar", "hf")]  # hf's tau is 1 by definition
-    out = []
-    if drafts:
-        c = min(concurrencies)
-        out.append(f"Acceptance length τ (concurrency {c})\n")
-        out.append("| task | " + " | ".join(drafts) + " |")
-        out.append("|---" * (len(drafts) + 1) + "|")
-        for task in tasks:
-            out.append(f"| {task} | " + " | ".join(_shown(cell[task, m, c], _fmt(cell[task, m, c]["acceptance_length"]))
-                                                  for m in drafts) + " |")
-        means = [[cell[t, m, c]["acceptance_length"] for t in tasks] for m in drafts]
-        out.append("| mean | " + " | ".join(_fmt(statistics.mean(x) if None not in x else None) for x in means) + " |")
-        out.append("")
-    cols = [(c, m) for c in concurrencies for m in methods]
-    out.append("Throughput tok/s (speedup vs ar)\n")
-    out.append("| task | " + " | ".join(f"{m} c={c}" for c, m in cols) + " |")
-    out.append("|---" * (len(cols) + 1) + "|")
-    for task in tasks:
-        cells = []
-        for c, m in cols:
-            r = cell[task, m, c]
-            speedup = f" ({r['speedup_vs_ar']:.2f}×)" if m != "ar" and r["speedup_vs_ar"] is not None else ""
-            cells.append(_shown(r, f"{r['throughput_tok_s']:.1f}{speedup}" if r["throughput_tok_s"] else ""))
-        out.append(f"| {task} | " + " | ".join(cells) + " |")
-    if any(m != "ar" for m in methods) and "ar" in methods:
-        out.append("")
-        out.append("Speedup over ar across tasks: min–max (mean)\n")
-        out.append("| method | " + " | ".join(f"c={c}" for c in concurrencies) + " |")
-        out.append("|---" * (len(concurrencies) + 1) + "|")
-        for m in methods:
-            if m == "ar":
-                continue
-            cells = []
-            for c in concurrencies:
-                s = [cell[t, m, c]["speedup_vs_ar"] for t in tasks]
-                cells.append(f"{min(s):.2f}×–{max(s):.2f}× ({statistics.mean(s):.2f}×)" if None not in s
-                             else _shown(cell[tasks[0], m, c], "–"))
-            out.append(f"| {m} | " + " | ".join(cells) + " |")
-    per_prompt = [r for r in rows if r.get("prompt_speedups") and r["method"] != "ar"]
-    if per_prompt:  # --interleave
-        out += ["", f"Each prompt's speedup over ar (--interleave: each method timed on the prompt in turn; pooled over "
-                    f"{per_prompt[0]['rounds']} round(s)): lowest, median, prompts below 0.95× and below 1.0×\n",
-                "| task | method | lowest | median | < 0.95× | < 1.0× |", "|---|---|---|---|---|---|"]
-        for r in per_prompt:
-            x = r["prompt_speedups"]
-            out.append(f"| {r['task']} | {r['method']} | {min(x):.2f}× | {statistics.median(x):.2f}× | "
-                       f"{sum(v < 0.95 for v in x)} of {len(x)} | {sum(v < 1.0 for v in x)} of {len(x)} |")
-    reasons = sorted({r["cannot_run"] for r in rows if r.get("cannot_run")})
-    if reasons:
-        out += ["", "Not run:"] + [f"- {why}" for why in reasons]
-    return "\n".join(out)
-
-
-def _fmt(x, spec=".2f"):
-    return "–" if x is None else format(x, spec)
-
-
-GOALS = {"hf-pld": 1.8, "hf": 2.5}  # issue 22: dflash2's speedup over each peer at concurrency 1, on every task
-
-
-def side_by_side(rows, tasks, methods):
-    """Concurrency 1, every method on the same target object: tok/s (speedup vs hf), and dflash2's ratio to each
-    peer against its goal. A cell whose greedy output differs from ar's says so."""
-    cell = {(r["task"], r["method"]): r for r in rows if r["concurrency"] == 1}
-    ratios = [p for p in GOALS if p in methods and "dflash2" in methods]
-    out = ["Side by side at concurrency 1 on the same target object: tok/s (speedup vs hf); "
-           "greedy outputs checked against ar's\n",
-           "| task | " + " | ".join(methods) + "".join(f" | dflash2 / {p} (goal ≥ {GOALS[p]}×)" for p in ratios) + " |",
-           "|---" * (len(methods) + len(ratios) + 1) + "|"]
-    for task in tasks:
-        cells = []
-        for m in methods:
-            r = cell[task, m]
-            vs = f" ({r['speedup_vs_hf']:.2f}×)" if r.get("speedup_vs_hf") is not None and m != "hf" else ""
-            differs = " DIFFERS from ar" if r["identical_to_ar"] is False else ""
-            cells.append(_shown(r, f"{_fmt(r['throughput_tok_s'], '.1f')}{vs}{differs}"))
-        for p in ratios:
-            ours, peer = cell[task, "dflash2"]["throughput_tok_s"], cell[task, p]["throughput_tok_s"]
-            if ours and peer:
-                x = ours / peer
-                cells.append(f"{x:.2f}× ({'met' if x >= GOALS[p] else 'not met'})")
-            else:
-                cells.append("–")
-        out.append(f"| {task} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
-
-
-def plot(rows, tasks, methods, concurrencies, path):
-    """Left: tau per task and drafting method (lowest concurrency); right: mean throughput vs concurrency."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cell = {(r["task"], r["method"], r["concurrency"]): r for r in rows}
-    drafts = [m for m in methods if m not in ("ar", "hf")]
-
-    def value(task, m, c, key):  # a gap where the method did not run
-        x = cell[task, m, c][key]
-        return float("nan") if x is None else x
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / max(len(drafts), 1)
-    for k, m in enumerate(drafts):
-        ax1.bar([i + k * width for i in range(len(tasks))],
-                [value(t, m, min(concurrencies), "acceptance_length") for t in tasks], width, label=m)
-    ax1.set_xticks([i + width * (len(drafts) - 1) / 2 for i in range(len(tasks))], tasks)
-    ax1.set_ylabel("acceptance length τ")
-    ax1.legend()
-    for m in methods:
-        ax2.plot(concurrencies, [statistics.mean(value(t, m, c, "throughput_tok_s") for t in tasks)
-                                 for c in concurrencies], marker="o", label=m)
-    ax2.set_xscale("log", base=2)
-    ax2.set_xticks(concurrencies, [str(c) for c in concurrencies])
-    ax2.set_xlabel("concurrency")
-    ax2.set_ylabel("throughput tok/s (mean over tasks)")
-    ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path)
 
 
 def _names(allowed):
@@ -539,20 +369,13 @@ def pld_sweep(model, prompts, args, stop_ids):
             tokens = sum(len(r.tokens) for r in results)
             rows.append(dict(task=task, pld_num_tokens=n, pld_ngram=g, throughput_tok_s=tokens / wall,
                              acceptance_length=mean_tau(results), completion_tokens=tokens, wall_s=wall))
-    cell = {(r["task"], r["pld_num_tokens"], r["pld_ngram"]): r for r in rows}
-    mean = {(n, g): statistics.mean(cell[t, n, g]["throughput_tok_s"] for t in args.tasks) for n, g in args.pld_sweep}
-    lines = ["hf-pld sweep at concurrency 1: tok/s (τ)\n",
-             "| num_tokens | ngram | " + " | ".join(args.tasks) + " | mean tok/s |", "|---" * (len(args.tasks) + 3) + "|"]
-    for n, g in args.pld_sweep:
-        lines.append(f"| {n} | {g} | " + " | ".join(f"{cell[t, n, g]['throughput_tok_s']:.1f} "
-                                                    f"({_fmt(cell[t, n, g]['acceptance_length'])})" for t in args.tasks)
-                     + f" | {mean[n, g]:.1f} |")
-    best = max(mean, key=mean.get)
-    lines.append(f"\nbest: --pld-num-tokens {best[0]} --pld-ngram {best[1]}")
-    print("\n".join(lines))
-    report = {"config": dict(vars(args), torch=torch.__version__), "pld_sweep": rows, "best": list(best)}
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    return report
+    data = {"config": dict(vars(args), torch=torch.__version__), "pld_sweep": rows}
+    print(report.pld_table(rows, data["config"]))
+    means = report.pld_means(rows, data["config"])
+    data["best"] = list(max(means, key=means.get))
+    Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
+    return data
+
 
 
 def _ints(s):
@@ -604,8 +427,13 @@ def build_parser():
     ap.add_argument("--interleave", action="store_true",
                     help="concurrency 1: time prompt by prompt, every method on a prompt in turn (rotating order), "
                          "so a drifting machine hits each method alike; adds each prompt's speedup over ar")
-    ap.add_argument("--rounds", type=int, default=1, metavar="N",
-                    help="with --interleave: N passes over the prompts, each prompt's speedup pooled over them")
+    ap.add_argument("--rounds", type=int, default=None, metavar="N",
+                    help="decode every cell N times, its methods taking turns with the first one rotating each round "
+                         "(prompt by prompt with --interleave), and pool the tokens and walls (default: 1, 2 with "
+                         "--protocol)")
+    ap.add_argument("--protocol", action="store_true",
+                    help="the model card's protocol: --methods ar,dflash2,dspark on the six tasks (the card's five and "
+                         "chat-heldout) at --concurrency 1,8,32, greedy and at T = 1 / top-p 0.95, in one run")
     ap.add_argument("--no-prepack", action="store_true",
                     help="CPU: keep aten's linears instead of oneDNN with pre-packed weights")
     ap.add_argument("--profile", action="store_true",
@@ -624,24 +452,37 @@ def build_parser():
                     help="instead of the methods: time hf-pld at each prompt_lookup_num_tokens:max_matching_ngram_size "
                          "on the tasks at concurrency 1, in one process, and print the table")
     ap.add_argument("--out", default="results.json", help="write the config and every result row here as JSON")
+    ap.add_argument("--report", metavar="FILE", default=None,
+                    help="decode nothing: print the tables of a results JSON this bench wrote (what that run printed)")
+    ap.add_argument("--sections", type=_names(report.SECTIONS), default=list(report.SECTIONS),
+                    help=f"with --report: which tables, of {','.join(report.SECTIONS)}")
     ap.add_argument("--plot", default=None, help="also draw tau and throughput to this image (needs matplotlib)")
     return ap
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+SIX_TASKS = TASKS + ("chat-heldout",)  # the card's five and our held-out chat prompts
+CARD_SAMPLINGS = [[0.0, 1.0], [1.0, 0.95]]  # (temperature, top_p): greedy, and the card's sampling
+
+
+def check_args(args):
+    """Every check of the flags, before anything is loaded; --protocol and --tree-budget expand the methods."""
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
     if args.num_prompts < 1:
         raise SystemExit(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.alternate < 0 or (args.alternate and not args.compile):
         raise SystemExit("--alternate N needs N >= 1 and --compile (it alternates eager and compiled runs)")
+    if args.protocol:
+        args.tasks, args.methods, args.concurrency = list(SIX_TASKS), ["ar", "dflash2", "dspark"], [1, 8, 32]
+    args.samplings = CARD_SAMPLINGS if args.protocol else [[args.temperature, args.top_p]]
+    if args.rounds is None:
+        args.rounds = 2 if args.protocol else 1
     if args.pld_sweep:
         args.methods, args.concurrency = ["hf-pld"], [1]
     if args.interleave and (args.concurrency != [1] or args.alternate):
         raise SystemExit("--interleave times one prompt at a time: it needs --concurrency 1 (and no --alternate)")
-    if args.rounds < 1 or (args.rounds > 1 and not args.interleave):
-        raise SystemExit("--rounds N needs N >= 1 and --interleave")
+    if args.rounds < 1 or (args.rounds > 1 and (args.alternate or args.pld_sweep)):
+        raise SystemExit("--rounds N needs N >= 1 (and neither --alternate nor --pld-sweep)")
     if args.tree_budget and "dflash2-tree" in args.methods:  # one method per budget, side by side
         i = args.methods.index("dflash2-tree")
         args.methods[i : i + 1] = [f"dflash2-tree@{n}" for n in args.tree_budget]
@@ -651,180 +492,229 @@ def main(argv=None):
                          "--compile or --alternate)")
     if args.pld_num_tokens < 1 or args.pld_ngram < 1:
         raise SystemExit("--pld-num-tokens and --pld-ngram must be >= 1")
-
-    try:  # before any slow load
+    try:
         args.attn_backend = check_attn_backend(args.attn_backend, args.device, compiled=args.compile)
     except ValueError as e:
         raise SystemExit(f"--attn-backend: {e}") from None
+
+
+def load(args):
+    """What a run decodes: the target (and its Target), the drafters its methods need, the prompts per task and
+    the stop tokens; or a random-weight pair and random prompts (--synthetic). Records in args what ran."""
     dtype = getattr(torch, args.dtype)
     draft_dtype = getattr(torch, args.draft_dtype) if args.draft_dtype else None
+    run = argparse.Namespace(dspark=None, zlab=None, zlab_missing=None)
     if args.synthetic:
-        dspark = None
-        model, drafter = synthetic_pair(args.synthetic, args.synthetic_layers, args.device, dtype, draft_dtype,
-                                        args.attn_backend, prepack=not args.no_prepack, seed=args.seed)
+        run.model, run.drafter = synthetic_pair(args.synthetic, args.synthetic_layers, args.device, dtype, draft_dtype,
+                                                args.attn_backend, prepack=not args.no_prepack, seed=args.seed)
         g = torch.Generator().manual_seed(args.seed)
-        vocab = model.config.vocab_size - 1  # the last id is the drafter's mask token
+        vocab = run.model.config.vocab_size - 1  # the last id is the drafter's mask token
         args.tasks = ["synthetic"]
-        prompts = {"synthetic": [torch.randint(vocab, (args.synthetic_prompt_len,), generator=g).tolist()
-                                 for _ in range(args.num_prompts)]}
-        stop_ids = []  # random weights: every request runs to max_new_tokens
+        run.prompts = {"synthetic": [torch.randint(vocab, (args.synthetic_prompt_len,), generator=g).tolist()
+                                     for _ in range(args.num_prompts)]}
+        run.stop_ids = []  # random weights: every request runs to max_new_tokens
     else:
         texts = load_tasks(args.tasks, args.data_dir, args.num_prompts)
-        model, tokenizer = load_target(args.target, device=args.device, dtype=dtype, prepack=not args.no_prepack)
+        run.model, tokenizer = load_target(args.target, device=args.device, dtype=dtype, prepack=not args.no_prepack)
         kinds = {method_settings(m, args).method for m in args.methods if m not in PEERS}
-        drafter = dspark = None
+        run.drafter = None
         if kinds & {"dflash2", "dflash", "dflash2-tree"}:
-            drafter = bench_drafter(DFlash2Drafter, args.draft, args, draft_dtype)
+            run.drafter = bench_drafter(DFlash2Drafter, args.draft, args, draft_dtype)
         if "dspark" in kinds:  # its own drafter (--dspark-draft), on the same target
-            dspark = bench_drafter(DSparkDrafter, args.dspark_draft, args, draft_dtype)
-            if drafter is not None and drafter.config.target_layer_ids != dspark.config.target_layer_ids:
+            run.dspark = bench_drafter(DSparkDrafter, args.dspark_draft, args, draft_dtype)
+            if run.drafter is not None and run.drafter.config.target_layer_ids != run.dspark.config.target_layer_ids:
                 raise SystemExit(f"--draft and --dspark-draft tap different target layers "
-                                 f"({drafter.config.target_layer_ids} vs {dspark.config.target_layer_ids})")
-        stop_ids = stop_token_ids(model, tokenizer)
-        prompts = {task: [encode_prompt(tokenizer, format_prompt(task, t)) for t in ts] for task, ts in texts.items()}
-    if drafter is not None:  # record what ran
-        args.draft_dtype = str(next(drafter.parameters()).dtype).removeprefix("torch.")
-        args.attn_backend = drafter.attn_backend
+                                 f"({run.drafter.config.target_layer_ids} vs {run.dspark.config.target_layer_ids})")
+        run.stop_ids = stop_token_ids(run.model, tokenizer)
+        run.prompts = {task: [encode_prompt(tokenizer, format_prompt(task, t)) for t in ts] for task, ts in texts.items()}
+    if run.drafter is not None:  # record what ran
+        args.draft_dtype = str(next(run.drafter.parameters()).dtype).removeprefix("torch.")
+        args.attn_backend = run.drafter.attn_backend
     args.machine = machine.machine().describe()
-    tapping = drafter if drafter is not None else dspark
-    target = Target(model, tapping.config.target_layer_ids if tapping is not None else ())
+    tapping = run.drafter if run.drafter is not None else run.dspark
+    run.target = Target(run.model, tapping.config.target_layer_ids if tapping is not None else ())
+    if "zlab" in args.methods:
+        run.zlab, run.zlab_missing = load_zlab(args.draft, run.model, not args.no_prepack)
+        if run.zlab_missing:
+            print(f"zlab {run.zlab_missing}", flush=True)
+    return run
 
-    def draft_for(m):  # the drafter a method runs with
-        return dspark if m not in PEERS and method_settings(m, args).method == "dspark" else drafter
 
-    eager = core_functions(target, drafter)
-    maybe_compile(target, drafter, args.compile)
-    zlab, zlab_missing = load_zlab(args.draft, model, not args.no_prepack) if "zlab" in args.methods else (None, None)
-    if zlab_missing:
-        print(f"zlab {zlab_missing}", flush=True)
-    if args.pld_sweep:
-        return pld_sweep(model, prompts, args, stop_ids)
+def draft_for(run, m):
+    """The drafter a method label runs with."""
+    return run.dspark if m.partition("@")[0] == "dspark" else run.drafter
 
-    # Untimed warm-up of every method, so one-time costs (allocator, kernels, compilation) are billed to no one.
-    first = next(iter(prompts.values()))[0]
-    if drafter is not None and args.policy == "auto":  # this machine's costs, measured once, before any timing
-        costs = spec_decode.machine_costs(target, drafter)
-        args.costs = dict(verify={w: round(costs.V(w), 3) for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)},
-                          draft=round(costs.draft, 3), draft_tree=round(costs.draft_tree, 3),
-                          one_token_forward_ms=round(costs.ms_per_token, 2), steady=costs.steady)
-        print("policy costs (units of a one-token forward): verify " +
-              ", ".join(f"V({w}) {v}" for w, v in args.costs["verify"].items()) +
-              f"; draft {args.costs['draft']}, tree draft {args.costs['draft_tree']}; "
-              f"V(1) = {args.costs['one_token_forward_ms']} ms"
-              + ("" if costs.steady else " (UNSTEADY: no two measurements agreed; not cached)"), flush=True)
-    # Compiled runs warm up at the real length: static cache shapes depend on it.
+
+def costs_record(costs):
+    """A policy.Costs as the results JSON keeps it (report.costs_lines prints it)."""
+    return dict(verify={w: round(costs.V(w), 3) for w in COST_WIDTHS}, draft=round(costs.draft, 3),
+                draft_tree=round(costs.draft_tree, 3), one_token_forward_ms=round(costs.ms_per_token, 2),
+                steady=costs.steady)
+
+
+def warm_up(run, args):
+    """This machine's costs for each drafter under --policy auto, measured (or read) and printed before any
+    timing; then an untimed decode by every method, so one-time costs (allocator, kernels, compilation) are billed
+    to no one. Compiled runs warm up at the real length: static cache shapes depend on it."""
+    if args.policy == "auto":
+        drafters = {"dflash2": run.drafter, "dspark": run.dspark}
+        args.costs = {name: costs_record(policy.machine_costs(run.target, d))
+                      for name, d in drafters.items() if d is not None}
+        for line in report.costs_lines(vars(args)):
+            print(line, flush=True)
+    first = next(iter(run.prompts.values()))[0]
     for m in args.methods:
         if m in PEERS:
-            if not (m == "zlab" and zlab is None):
-                run_peer(model, m, [first], args, stop_ids, f"warm-up {m}", zlab=zlab, max_new_tokens=8)
+            if not (m == "zlab" and run.zlab is None):
+                run_peer(run.model, m, [first], args, run.stop_ids, f"warm-up {m}", zlab=run.zlab, max_new_tokens=8)
             continue
-        generate(target, draft_for(m), [first],
+        generate(run.target, draft_for(run, m), [first],
                  method_settings(m, args, max_new_tokens=args.max_new_tokens if args.compile else 8))
 
-    if args.alternate:
-        compiled = core_functions(target, drafter)
-        for obj, name, fn in eager:  # warm the eager path up too
-            setattr(obj, name, fn)
-        for m in args.methods:
-            generate(target, drafter, [first], method_settings(m, args, max_new_tokens=8, static=False))
-        rows = alternate(target, drafter, prompts, args, stop_ids, eager, compiled)
-        for r in rows:
-            if r["identical_to_ar"] is False:
-                print(f"WARNING: round {r['round']} {r['mode']} {r['method']} output differs on {r['task']}", flush=True)
-        report = {"config": dict(vars(args), torch=torch.__version__), "alternate": rows}
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-        return report
 
-    def measure(task, m, c, batch, desc):
-        """One cell's decode of `batch` prompts: (results, wall seconds); with --profile its phase timings too."""
-        timings = {} if args.profile else None
-        if m in PEERS:
-            results, wall = run_peer(model, m, batch, args, stop_ids, desc, timings, zlab)
-        else:
-            results, wall = run_method(target, draft_for(m), batch, m, c, args, stop_ids, desc, timings)
-        return results, wall, timings
+def measure(run, args, m, c, batch, desc):
+    """One method's decode of `batch` at concurrency c: (results, wall seconds, phase timings with --profile)."""
+    timings = {} if args.profile else None
+    if m in PEERS:
+        results, wall = run_peer(run.model, m, batch, args, run.stop_ids, desc, timings, run.zlab)
+    else:
+        results, wall = run_method(run.target, draft_for(run, m), batch, m, c, args, run.stop_ids, desc, timings)
+    return results, wall, timings
 
+
+def take_turns(run, args, task, c, methods):
+    """The methods' decodes of one task at concurrency c: --rounds rounds, the methods in turn with the first one
+    rotating each round (with --interleave prompt by prompt, rotating from prompt to prompt too), so the machine's
+    drift falls on all of them. Returns {method: {results (each unit's first), tokens, walls (each unit's, summed
+    over the rounds), timings}}; a unit is the task's prompts, or one prompt with --interleave."""
+    units = [[p] for p in run.prompts[task]] if args.interleave else [run.prompts[task]]
+    done = {m: dict(results=[None] * len(units), tokens=[0] * len(units), walls=[0.0] * len(units),
+                    timings={} if args.profile else None) for m in methods}
+    for rnd in range(args.rounds if methods else 0):
+        for i, batch in enumerate(units):
+            k = (i + rnd) % len(methods)
+            for m in methods[k:] + methods[:k]:
+                where = f" prompt {i}" if args.interleave else ""
+                results, wall, timings = measure(run, args, m, c, batch, f"{task} {m} c={c} round {rnd + 1}{where}")
+                d = done[m]
+                seen = d["results"][i]
+                if seen is not None and args.temperature == 0 and [r.tokens for r in seen] != [r.tokens for r in results]:
+                    raise SystemExit(f"{m} decoded {task}{where} differently in round {rnd + 1}")
+                d["results"][i] = seen or results
+                d["tokens"][i] += sum(len(r.tokens) for r in results)
+                d["walls"][i] += wall
+                for key, v in (timings or {}).items():
+                    d["timings"][key] = d["timings"].get(key, 0.0) + v
+    return done
+
+
+def cells(run, args):
+    """Every cell of the run, per sampling, task and concurrency, its methods taking turns (take_turns): the
+    results JSON's rows, and each cell's outputs {(temperature, top_p, task, method, c): token lists}."""
     rows, outputs = [], {}
-    for task in args.tasks:  # every method in turn, ours and peers alike, so drift hits them alike
-        for c in args.concurrency:
-            cells = []
-            for m in args.methods:
-                row = dict(task=task, method=m, concurrency=c, num_prompts=len(prompts[task]), acceptance_length=None,
-                           throughput_tok_s=None, speedup_vs_ar=None, speedup_vs_hf=None, completion_tokens=None,
-                           wall_s=None, identical_to_ar=None, cannot_run=zlab_missing if m == "zlab" else None)
-                row["cannot_run"] = row["cannot_run"] or cannot_run(m, c)
-                rows.append(row)
-                if not row["cannot_run"]:
-                    cells.append(row)
-            if args.interleave:  # prompt by prompt, every method on it in turn (the order rotates), --rounds times
-                n = len(prompts[task])
-                done = {r["method"]: ([None] * n, [0] * n, [0.0] * n, {} if args.profile else None) for r in cells}
-                for rnd in range(args.rounds):
-                    for i, prompt in enumerate(prompts[task]):
-                        k = (i + rnd) % len(cells)
-                        for r in cells[k:] + cells[:k]:
-                            results, wall, timings = measure(task, r["method"], c, [prompt],
-                                                             f"{task} round {rnd} prompt {i} {r['method']}")
-                            first, counts, walls, total = done[r["method"]]
-                            if first[i] is not None and first[i].tokens != results[0].tokens:
-                                raise SystemExit(f"{r['method']} decoded {task} prompt {i} differently in round {rnd}")
-                            first[i] = results[0]
-                            counts[i] += len(results[0].tokens)
-                            walls[i] += wall
-                            for key, v in (timings or {}).items():
-                                total[key] = total.get(key, 0.0) + v
-            for row in cells:
-                m = row["method"]
-                if args.interleave:  # every round's tokens over every round's wall
-                    results, counts, walls, timings = done[m]
-                    wall, tokens = sum(walls), sum(counts)
-                    row["prompt_tok_s"] = [t / w for t, w in zip(counts, walls)]
-                    row["rounds"] = args.rounds
-                    timings = None if timings is None else {k: v / args.rounds for k, v in timings.items()}
-                else:
-                    results, wall, timings = measure(task, m, c, prompts[task], f"{task} {m} c={c}")
-                    tokens = sum(len(r.tokens) for r in results)
-                outputs[task, m, c] = [r.tokens for r in results]
-                row.update(acceptance_length=mean_tau(results), throughput_tok_s=tokens / wall,
-                           completion_tokens=sum(len(r.tokens) for r in results), wall_s=wall)
-                if m not in PEERS and m != "ar":
-                    row["widths"] = width_shares(results)
-                if timings is not None:
-                    row["step_ms"] = step_ms(results, timings)
+    for temperature, top_p in args.samplings:
+        args.temperature, args.top_p = temperature, top_p  # what method_settings and run_peer read
+        for task in args.tasks:
+            for c in args.concurrency:
+                group = []
+                for m in args.methods:
+                    why = (run.zlab_missing if m == "zlab" else None) or cannot_run(m, c)
+                    rows.append(dict(task=task, method=m, concurrency=c, temperature=temperature, top_p=top_p,
+                                     num_prompts=len(run.prompts[task]), acceptance_length=None, throughput_tok_s=None,
+                                     speedup_vs_ar=None, speedup_vs_hf=None, completion_tokens=None, wall_s=None,
+                                     identical_to_ar=None, cannot_run=why))
+                    if why is None:
+                        group.append(rows[-1])
+                turns = take_turns(run, args, task, c, [r["method"] for r in group])
+                for row in group:
+                    d = turns[row["method"]]
+                    results = [r for unit in d["results"] for r in unit]
+                    tokens, wall = sum(d["tokens"]), sum(d["walls"])
+                    outputs[cell_key(row)] = [r.tokens for r in results]
+                    row.update(acceptance_length=mean_tau(results), throughput_tok_s=tokens / wall,
+                               completion_tokens=sum(len(r.tokens) for r in results), wall_s=wall)
+                    if args.rounds > 1 or args.interleave:
+                        row["rounds"] = args.rounds
+                    if args.interleave:
+                        row["prompt_tok_s"] = [t / w for t, w in zip(d["tokens"], d["walls"])]
+                    if row["method"] not in PEERS and row["method"] != "ar":
+                        row["widths"] = width_shares(results)
+                    if d["timings"] is not None:
+                        row["step_ms"] = step_ms(results, {k: v / args.rounds for k, v in d["timings"].items()})
+    return rows, outputs
 
-    greedy = args.temperature == 0
-    measured = {(r["task"], r["method"], r["concurrency"]): r for r in rows if r["cannot_run"] is None}
-    for r in measured.values():
-        key = r["task"], "ar", r["concurrency"]
-        if key in measured:
-            r["speedup_vs_ar"] = r["throughput_tok_s"] / measured[key]["throughput_tok_s"]
+
+def cell_key(row, method=None):
+    return row["temperature"], row["top_p"], row["task"], method or row["method"], row["concurrency"]
+
+
+def compare(rows, outputs):
+    """Each measured row's speedup over ar and over hf in its cell, and, greedy, whether its output is ar's:
+    lossless drafting, ours or a peer's, must reproduce ar's output for the same prompts and concurrency."""
+    measured = {cell_key(r): r for r in rows if r["cannot_run"] is None}
+    for key, r in measured.items():
+        ar, hf = measured.get(cell_key(r, "ar")), measured.get(cell_key(r, "hf"))
+        if ar is not None:
+            r["speedup_vs_ar"] = r["throughput_tok_s"] / ar["throughput_tok_s"]
             if "prompt_tok_s" in r:  # --interleave: each prompt's speedup, its method and ar timed seconds apart
-                r["prompt_speedups"] = [a / b for a, b in zip(r["prompt_tok_s"], measured[key]["prompt_tok_s"])]
-            # Lossless: greedy drafting, ours or a peer's, must reproduce ar's output for the same prompt
-            # (at the same concurrency).
-            if greedy:
-                r["identical_to_ar"] = outputs[r["task"], r["method"], r["concurrency"]] == outputs[key]
-        hf = r["task"], "hf", r["concurrency"]
-        if hf in measured:
-            r["speedup_vs_hf"] = r["throughput_tok_s"] / measured[hf]["throughput_tok_s"]
+                r["prompt_speedups"] = [a / b for a, b in zip(r["prompt_tok_s"], ar["prompt_tok_s"])]
+            if r["temperature"] == 0:
+                r["identical_to_ar"] = outputs[key] == outputs[cell_key(r, "ar")]
+        if hf is not None:
+            r["speedup_vs_hf"] = r["throughput_tok_s"] / hf["throughput_tok_s"]
 
-    print(tables(rows, args.tasks, args.methods, args.concurrency))
-    if peers and 1 in args.concurrency:
-        print("\n" + side_by_side(rows, args.tasks, args.methods))
-    if args.profile:
-        print(profile_table(rows))
+
+def eager_and_compiled(run, args, eager):
+    """--alternate: the eager path warmed up too, then the rounds of alternate(); its rows, any difference said."""
+    compiled = core_functions(run.target, run.drafter)
+    for obj, name, fn in eager:
+        setattr(obj, name, fn)
+    first = next(iter(run.prompts.values()))[0]
+    for m in args.methods:
+        generate(run.target, run.drafter, [first], method_settings(m, args, max_new_tokens=8, static=False))
+    rows = alternate(run.target, run.drafter, run.prompts, args, run.stop_ids, eager, compiled)
+    for r in rows:
+        if r["identical_to_ar"] is False:
+            print(f"WARNING: round {r['round']} {r['mode']} {r['method']} output differs on {r['task']}", flush=True)
+    return rows
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.report:
+        try:
+            data = json.loads(Path(args.report).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--report {args.report}: not a readable results JSON ({e})") from None
+        print(report.text(data, args.sections))
+        return data
+    check_args(args)
+    run = load(args)
+    eager = core_functions(run.target, run.drafter)
+    maybe_compile(run.target, run.drafter, args.compile)
+    if args.pld_sweep:
+        return pld_sweep(run.model, run.prompts, args, run.stop_ids)
+    warm_up(run, args)
+    config = dict(vars(args), torch=torch.__version__)
+    if args.alternate:
+        data = {"config": config, "alternate": eager_and_compiled(run, args, eager)}
+        Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
+        return data
+    rows, outputs = cells(run, args)
+    compare(rows, outputs)
+    config.update(block_size=args.block_size or (run.drafter.config.block_size if run.drafter else 1))
+    if run.zlab is not None:  # their loop needs the drafter in the target's dtype
+        config["zlab_draft_dtype"] = str(next(run.zlab[0].parameters()).dtype).removeprefix("torch.")
+    data = {"config": config, "results": rows}
+    print(report.text(data))
     for r in rows:
         if r["identical_to_ar"] is False:
             print(f"WARNING: {r['method']} greedy output differs from ar on {r['task']} at concurrency "
                   f"{r['concurrency']}: decoding is NOT lossless here", flush=True)
-    report = {"config": dict(vars(args), block_size=args.block_size or (drafter.config.block_size if drafter else 1),
-                             torch=torch.__version__), "results": rows}
-    if zlab is not None:  # their loop needs the drafter in the target's dtype
-        report["config"]["zlab_draft_dtype"] = str(next(zlab[0].parameters()).dtype).removeprefix("torch.")
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
     if args.plot:
-        plot(rows, args.tasks, args.methods, args.concurrency, args.plot)
-    return report
+        report.plot(rows, args.tasks, args.methods, args.concurrency, args.plot)
+    return data
 
 
 if __name__ == "__main__":

@@ -5,14 +5,19 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from .settings import is_hub_id
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-@dataclass
-class DFlash2Config:
+@dataclass(kw_only=True)
+class DrafterConfig:
+    """What every drafter's config.json holds: a Qwen3 config (read as transformers' Qwen3Config reads it)
+    plus the target layers it taps and its mask token. Subclasses add their method's keys, their layer
+    rule (layer_causal) and how they nest those keys in the file (from_dict's read_own_keys, to_dict)."""
+
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -27,36 +32,24 @@ class DFlash2Config:
     rope_theta: float = 10000.0
     rope_type: str = "default"
     max_position_embeddings: int = 32768
-    layer_types: list[str] | None = None  # None: transformers' Qwen3 rule (see __post_init__)
-    sliding_window: int | None = 4096  # transformers' Qwen3 default
+    layer_types: list[str] | None = None  # None: the subclass's default_layer_types
+    sliding_window: int | None = None
     use_sliding_window: bool = False  # transformers' Qwen3 default: windows off unless enabled
-    max_window_layers: int = 28  # transformers' Qwen3 default; only read when layer_types is absent
-    is_causal: bool | None = False  # the published value; None (key absent): causal iff the layer is sliding
     dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    # dflash_config
-    block_size: int = 8
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
-    input_embedding_scale: float = 1.0
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float | None = None
 
-    DFLASH_KEYS = ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-                   "target_layer_ids", "mask_token_id", "input_embedding_scale", "output_multiplier",
-                   "final_logit_softcapping")
+    NAME: ClassVar[str]  # in error messages: "<NAME> config ..."
+    ARCHITECTURE: ClassVar[str]
 
     def __post_init__(self):
-        if self.layer_types is None:  # transformers' Qwen3Config: layers from max_window_layers on slide
-            slide = self.use_sliding_window and self.sliding_window is not None
-            self.layer_types = ["sliding_attention" if slide and i >= self.max_window_layers else "full_attention"
-                                for i in range(self.num_hidden_layers)]
-        self.target_layer_ids = list(self.target_layer_ids)
-        self.layer_types = list(self.layer_types)
+        if self.layer_types is None:
+            self.layer_types = self.default_layer_types()
+        self.target_layer_ids, self.layer_types = list(self.target_layer_ids), list(self.layer_types)
+
+    def default_layer_types(self):
+        return ["full_attention"] * self.num_hidden_layers
 
     def layer_window(self, i):
         """Sliding window of layer i, None for full attention (transformers' Qwen3 rule: no window
@@ -65,18 +58,9 @@ class DFlash2Config:
             return self.sliding_window
         return None
 
-    def layer_causal(self, i):
-        """Whether layer i's block attends only to itself and earlier slots: is_causal when the config
-        sets it, else whether the layer is sliding (how the authors' Qwen3DFlashAttention reads it)."""
-        return self.layer_types[i] == "sliding_attention" if self.is_causal is None else bool(self.is_causal)
-
-    def validate(self):
-        """Raise ValueError naming the first inconsistent field."""
-        checks = [
-            ("hidden_size", self.hidden_size >= 1 and self.hidden_size % self.conv_group_size == 0,
-             f"{self.hidden_size} must be a positive multiple of conv_group_size {self.conv_group_size}"),
-            ("conv_group_size", self.conv_group_size >= 1, f"{self.conv_group_size} must be >= 1"),
-            ("conv_kernel_size", self.conv_kernel_size >= 1, f"{self.conv_kernel_size} must be >= 1"),
+    def checks(self):
+        """(field, ok, why) for every rule the config must keep; subclasses add theirs."""
+        return [
             ("num_key_value_heads", self.num_key_value_heads >= 1
              and self.num_attention_heads % self.num_key_value_heads == 0,
              f"{self.num_key_value_heads} must divide num_attention_heads {self.num_attention_heads}"),
@@ -89,68 +73,54 @@ class DFlash2Config:
             ("sliding_window", self.sliding_window is None or self.sliding_window >= 1,
              f"{self.sliding_window} must be None or >= 1"),
             ("rope_type", self.rope_type == "default", f"{self.rope_type!r} is not supported (only 'default')"),
-            ("block_size", self.block_size >= 2, f"{self.block_size} must be >= 2 (anchor + at least one draft)"),
-            ("selector_rank", self.selector_rank >= 1, f"{self.selector_rank} must be >= 1"),
-            ("selector_top_k", 1 <= self.selector_top_k <= self.vocab_size,
-             f"{self.selector_top_k} must lie in [1, vocab_size={self.vocab_size}]"),
             ("target_layer_ids", len(self.target_layer_ids) >= 1
              and all(0 <= i < self.num_target_layers for i in self.target_layer_ids),
              f"{self.target_layer_ids} must be non-empty ids in [0, num_target_layers={self.num_target_layers})"),
             ("mask_token_id", 0 <= self.mask_token_id < self.vocab_size,
              f"{self.mask_token_id} must lie in [0, vocab_size={self.vocab_size})"),
-            ("final_logit_softcapping", self.final_logit_softcapping is None or self.final_logit_softcapping > 0,
-             f"{self.final_logit_softcapping} must be None or > 0"),
         ]
-        for name, ok, why in checks:
+
+    def validate(self):
+        """Raise ValueError naming the first inconsistent field."""
+        for name, ok, why in self.checks():
             if not ok:
-                raise ValueError(f"DFlash2Config.{name}: {why}")
+                raise ValueError(f"{type(self).__name__}.{name}: {why}")
         return self
 
     @classmethod
     def from_dict(cls, d):
-        """Read a Qwen3-style config.json dict as the authors' DFlash2DraftModel does (through
-        transformers' Qwen3Config); dflash keys from `dflash_config` (or top level in older files).
-
-        Absent keys take Qwen3Config's defaults (head_dim 128, num_key_value_heads 32 (null: = heads),
-        sliding_window 4096, max_window_layers 28) and the authors' (block_size 16, target_layer_ids spread over the
-        target); absent or null `is_causal` makes sliding layers causal (layer_causal).
-        """
-        dflash = d.get("dflash_config") or {}
-        rope = d.get("rope_parameters") or {}
+        """Read a config.json dict as transformers' Qwen3Config does: absent keys take its defaults
+        (head_dim 128, num_key_value_heads 32, null: = heads); then the subclass's own keys."""
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{cls.NAME} config: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+        if d.get("attention_bias"):
+            raise ValueError(f"{cls.NAME} config: attention_bias true is not supported (the published drafters "
+                             f"have none)")
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
-        kwargs.update({k: v for k, v in dflash.items() if k in names})
-        kwargs["is_causal"] = d.get("is_causal")
-        kwargs.setdefault("block_size", 16)
+        rope = d.get("rope_parameters") or {}
+        kwargs.update({k: rope[k] for k in ("rope_theta", "rope_type") if k in rope})
         kwargs.setdefault("head_dim", 128)
         kwargs.setdefault("num_key_value_heads", 32)  # Qwen3Config's class default; null means "= heads"
-        if kwargs["num_key_value_heads"] is None and "num_attention_heads" in kwargs:
-            kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
-        if "target_layer_ids" not in kwargs and {"num_target_layers", "num_hidden_layers"} <= kwargs.keys():
-            kwargs["target_layer_ids"] = spread_target_layer_ids(kwargs["num_target_layers"], kwargs["num_hidden_layers"])
-        if kwargs.get("final_logit_softcapping") == 0:  # the authors' model reads 0 as "no softcap"
-            kwargs["final_logit_softcapping"] = None
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"DFlash2 config: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
-        if d.get("attention_bias"):
-            raise ValueError("DFlash2 config: attention_bias true is not supported (the published drafters have none)")
-        if "rope_theta" in rope:
-            kwargs["rope_theta"] = rope["rope_theta"]
-        if "rope_type" in rope:
-            kwargs["rope_type"] = rope["rope_type"]
+        if kwargs["num_key_value_heads"] is None:
+            kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads")
         if "dtype" not in d and "torch_dtype" in d:
             kwargs["dtype"] = d["torch_dtype"]
-        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
-                    and f.default_factory is dataclasses.MISSING]
-        missing = [k for k in required if k not in kwargs]
+        cls.read_own_keys(d, kwargs)
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:
-            raise ValueError(f"DFlash2 config is missing required keys: {missing}")
+            raise ValueError(f"{cls.NAME} config is missing required keys: {missing}")
         return cls(**kwargs).validate()
 
-    def to_dict(self):
-        """Qwen3-style config.json dict with a nested `dflash_config`."""
-        d = {
-            "architectures": ["DFlash2DraftModel"],
+    @classmethod
+    def read_own_keys(cls, d, kwargs):
+        """The subclass's reading of its own keys from d into kwargs (nesting, defaults, refusals)."""
+
+    def qwen3_dict(self):
+        """The leading keys of config.json, the same for every drafter."""
+        return {
+            "architectures": [self.ARCHITECTURE],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -165,19 +135,135 @@ class DFlash2Config:
             "layer_types": list(self.layer_types),
             "sliding_window": self.sliding_window,
             "use_sliding_window": self.use_sliding_window,
-            "max_window_layers": self.max_window_layers,
-            "num_target_layers": self.num_target_layers,
-            "vocab_size": self.vocab_size,
-            "is_causal": self.is_causal,  # dropped below when None: absent means "sliding layers are causal"
-            "attention_bias": False,
-            "tie_word_embeddings": False,
-            "dtype": self.dtype,
         }
-        if self.is_causal is None:
-            del d["is_causal"]
-        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if getattr(self, k) is not None:
-                d[k] = getattr(self, k)
+
+    def engine_draft_tokens(self):
+        """(SGLang's --speculative-num-draft-tokens, vLLM's num_speculative_tokens) for this block."""
+        raise NotImplementedError
+
+    def for_engines(self, target_layers=None, target_vocab=None):
+        """This config as vLLM 0.33.0 and SGLang 0.5.23 read it the way we do: (config, note). Sliding layers
+        with no window, which both engines refuse, are rewritten as full attention with their causality made
+        explicit (the note says so); ValueError names any field the engines would misread. target_layers /
+        target_vocab: the served target's layer count and vocabulary, when known."""
+        name = type(self).__name__
+        layers = self.num_target_layers if target_layers is None else target_layers
+        vocab = self.vocab_size if target_vocab is None else target_vocab
+        bad = [i for i in self.target_layer_ids if not 0 <= i < layers]
+        if self.num_target_layers != layers or bad:  # the engines capture hidden_states[id + 1], layer id's output
+            raise ValueError(f"{name}.target_layer_ids: {self.target_layer_ids} (for num_target_layers="
+                             f"{self.num_target_layers}) are not layers of the target, which has {layers}")
+        if self.vocab_size != vocab:
+            raise ValueError(f"{name}.vocab_size: {self.vocab_size}, but the target's vocabulary has {vocab} tokens "
+                             f"(the drafter shares its embedding and LM head)")
+        if not 0 <= self.mask_token_id < vocab:
+            raise ValueError(f"{name}.mask_token_id: {self.mask_token_id} (vocab_size {self.vocab_size}) is not a "
+                             f"token of the target's vocabulary of {vocab}")
+        sglang, vllm = self.engine_draft_tokens()
+        if vllm < 1:
+            raise ValueError(f"{name}.block_size: {self.block_size} gives vLLM num_speculative_tokens {vllm} and "
+                             f"SGLang --speculative-num-draft-tokens {sglang}; both need at least one draft")
+        self.validate()
+        windowless = [i for i, t in enumerate(self.layer_types) if t == "sliding_attention" and self.layer_window(i) is None]
+        if not windowless:
+            return self, None
+        return self.without_windowless_sliding(windowless)
+
+    def without_windowless_sliding(self, layers):
+        """(config, note): sliding layers with no window rewritten as full attention, each layer's causality kept."""
+        raise NotImplementedError
+
+    def set_keys(self, d, keys):
+        """d with those of keys whose value is not None (keys absent from the file stay absent)."""
+        d.update({k: getattr(self, k) for k in keys if getattr(self, k) is not None})
+        return d
+
+
+@dataclass(kw_only=True)
+class DFlash2Config(DrafterConfig):
+    """DFlash 2's config.json (SPEC §2): the Qwen3 keys and a nested `dflash_config`."""
+
+    sliding_window: int | None = 4096  # transformers' Qwen3 default
+    max_window_layers: int | None = 28  # only read when layer_types is absent; None: absent from the file (28)
+    is_causal: bool | None = False  # the published value; None (key absent): causal iff the layer is sliding
+    # dflash_config
+    block_size: int = 8
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    NAME: ClassVar[str] = "DFlash2"
+    ARCHITECTURE: ClassVar[str] = "DFlash2DraftModel"
+    DFLASH_KEYS: ClassVar[tuple] = ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank",
+                                    "selector_top_k", "target_layer_ids", "mask_token_id", "input_embedding_scale",
+                                    "output_multiplier", "final_logit_softcapping")
+
+    def default_layer_types(self):
+        """transformers' Qwen3Config: layers from max_window_layers on slide, if windows are on."""
+        slide = self.use_sliding_window and self.sliding_window is not None
+        first = 28 if self.max_window_layers is None else self.max_window_layers
+        return ["sliding_attention" if slide and i >= first else "full_attention" for i in range(self.num_hidden_layers)]
+
+    def layer_causal(self, i):
+        """Whether layer i's block attends only to itself and earlier slots: is_causal when the config
+        sets it, else whether the layer is sliding (how the authors' Qwen3DFlashAttention reads it)."""
+        return self.layer_types[i] == "sliding_attention" if self.is_causal is None else bool(self.is_causal)
+
+    def checks(self):
+        return super().checks() + [
+            ("hidden_size", self.hidden_size >= 1 and self.hidden_size % self.conv_group_size == 0,
+             f"{self.hidden_size} must be a positive multiple of conv_group_size {self.conv_group_size}"),
+            ("conv_group_size", self.conv_group_size >= 1, f"{self.conv_group_size} must be >= 1"),
+            ("conv_kernel_size", self.conv_kernel_size >= 1, f"{self.conv_kernel_size} must be >= 1"),
+            ("block_size", self.block_size >= 2, f"{self.block_size} must be >= 2 (anchor + at least one draft)"),
+            ("selector_rank", self.selector_rank >= 1, f"{self.selector_rank} must be >= 1"),
+            ("selector_top_k", 1 <= self.selector_top_k <= self.vocab_size,
+             f"{self.selector_top_k} must lie in [1, vocab_size={self.vocab_size}]"),
+            ("final_logit_softcapping", self.final_logit_softcapping is None or self.final_logit_softcapping > 0,
+             f"{self.final_logit_softcapping} must be None or > 0"),
+        ]
+
+    @classmethod
+    def read_own_keys(cls, d, kwargs):
+        """As the authors' DFlash2DraftModel: dflash keys from `dflash_config` (or top level in older files),
+        block_size 16 and taps spread over the target when absent, softcap 0 read as none; absent or null
+        `is_causal` makes sliding layers causal (layer_causal)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs.update({k: v for k, v in (d.get("dflash_config") or {}).items() if k in names})
+        kwargs["is_causal"] = d.get("is_causal")
+        kwargs["max_window_layers"] = d.get("max_window_layers")
+        kwargs.setdefault("block_size", 16)
+        if "target_layer_ids" not in kwargs and {"num_target_layers", "num_hidden_layers"} <= kwargs.keys():
+            kwargs["target_layer_ids"] = spread_target_layer_ids(kwargs["num_target_layers"], kwargs["num_hidden_layers"])
+        if kwargs.get("final_logit_softcapping") == 0:  # the authors' model reads 0 as "no softcap"
+            kwargs["final_logit_softcapping"] = None
+
+    def engine_draft_tokens(self):
+        return self.block_size, self.block_size - 1  # SGLang verifies the whole block; vLLM counts the drafts
+
+    def without_windowless_sliding(self, layers):
+        causal = {self.layer_causal(i) for i in range(self.num_hidden_layers)}
+        if len(causal) > 1:
+            raise ValueError(f"DFlash2Config.use_sliding_window: layers {layers} are sliding with no window, which "
+                             f"vLLM and SGLang refuse, and one is_causal cannot keep both causal and bidirectional "
+                             f"layers if they become full attention; set use_sliding_window and sliding_window")
+        types = ["full_attention" if i in layers else t for i, t in enumerate(self.layer_types)]
+        config = dataclasses.replace(self, layer_types=types, is_causal=causal.pop())
+        return config, (f"layers {layers} slide with no window (use_sliding_window is {self.use_sliding_window}), "
+                        f"which vLLM and SGLang refuse: written as full_attention with is_causal {config.is_causal}, "
+                        f"which both read as we run them")
+
+    def to_dict(self):
+        """Qwen3-style config.json dict with a nested `dflash_config`."""
+        d = self.set_keys(self.qwen3_dict(), ["max_window_layers"])
+        d |= {"num_target_layers": self.num_target_layers, "vocab_size": self.vocab_size}
+        self.set_keys(d, ["is_causal"])  # absent means "sliding layers are causal"
+        d |= {"attention_bias": False, "tie_word_embeddings": False, "dtype": self.dtype}
+        self.set_keys(d, ["bos_token_id", "eos_token_id", "pad_token_id"])
         d["dflash_config"] = {k: getattr(self, k) for k in self.DFLASH_KEYS}
         return d
 
@@ -201,15 +287,22 @@ def read_checkpoint(path_or_hub_id):
     return DFlash2Config.from_dict(read_json(path / "config.json")), read_safetensors(path), path
 
 
-def write_checkpoint(directory, config, state):
-    """Write config.json (with dflash_config) and model.safetensors in the published layout."""
+def write_checkpoint(directory, config, state, target_layers=None, target_vocab=None):
+    """Write config.json and model.safetensors in the published layout, as the serving engines will read
+    them (config.for_engines: refuses what they would misread, warns once of a faithful rewrite)."""
+    import warnings
+
     from safetensors.torch import save_file
 
+    config, note = config.for_engines(target_layers, target_vocab)
+    if note:
+        warnings.warn(note, stacklevel=2)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, directory / "model.safetensors",
               metadata={"format": "pt"})
+    return config
 
 
 def resolve_checkpoint(path_or_hub_id):

@@ -4,15 +4,14 @@ selector: [anchor, MASK x (B-1)] through bidirectional layers over the target's 
 slot proposes (slot k drafts the token after position p+k), a rank-r Markov head conditions slot k's
 logits on the previous token of the walk, and a confidence head may cut the block before verification."""
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 import torch.nn as nn
 
-from .checkpoint import check_state_dict, read_json, read_safetensors, resolve_checkpoint
+from .checkpoint import (DrafterConfig, check_state_dict, read_json, read_safetensors, resolve_checkpoint,
+                         write_checkpoint)
 from .model import MLP, Attention, DFlash2Drafter, RMSNorm
 from .verify import sample_index
 
@@ -20,39 +19,20 @@ ARCHITECTURE = "Qwen3DSparkModel"
 MARKOV_HEAD_TYPES = ("vanilla",)  # DeepSpec also defines "gated" and "rnn"; no published config uses them
 
 
-@dataclass
-class DSparkConfig:
+@dataclass(kw_only=True)
+class DSparkConfig(DrafterConfig):
     """DeepSpec's draft config.json: the target's Qwen3 config with the DSpark keys at top level
     (deepspec/modeling/dspark/qwen3/config.py, build_draft_config)."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    num_target_layers: int
-    target_layer_ids: list[int]
-    mask_token_id: int
     block_size: int
     markov_rank: int
     enable_confidence_head: bool
     markov_head_type: str | None = None  # required when markov_rank > 0
     confidence_head_with_markov: bool = False  # required when enable_confidence_head
     num_anchors: int | None = None  # training only (anchors sampled per sequence)
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_type: str = "default"
-    max_position_embeddings: int = 32768
-    layer_types: list[str] | None = None  # DeepSpec writes "full_attention" for every layer
-    sliding_window: int | None = None
-    use_sliding_window: bool = False
-    dtype: str = "bfloat16"
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
 
+    NAME: ClassVar[str] = "DSpark"
+    ARCHITECTURE: ClassVar[str] = ARCHITECTURE
     # What DFlash2Drafter's borrowed methods read; DSpark has no such keys.
     input_embedding_scale: ClassVar[float] = 1.0
     output_multiplier: ClassVar[float] = 1.0
@@ -60,52 +40,25 @@ class DSparkConfig:
     REQUIRED: ClassVar[tuple] = ("target_layer_ids", "mask_token_id", "block_size", "markov_rank",
                                  "enable_confidence_head")  # DeepSpec asserts these (qwen3/modeling.py)
 
-    def __post_init__(self):
-        if self.layer_types is None:
-            self.layer_types = ["full_attention"] * self.num_hidden_layers
-        self.target_layer_ids, self.layer_types = list(self.target_layer_ids), list(self.layer_types)
-
-    def layer_window(self, i):
-        """DeepSpec's attention: the config's window on sliding layers (None unless use_sliding_window,
-        as transformers' Qwen3Config keeps it)."""
-        if self.use_sliding_window and self.layer_types[i] == "sliding_attention":
-            return self.sliding_window
-        return None
-
     def layer_causal(self, i):
         """Never: DeepSpec drafts with is_causal=False (eval/dspark/draft_ops.py)."""
         return False
 
-    def validate(self):
-        checks = [
-            ("num_key_value_heads", self.num_key_value_heads >= 1
-             and self.num_attention_heads % self.num_key_value_heads == 0,
-             f"{self.num_key_value_heads} must divide num_attention_heads {self.num_attention_heads}"),
-            ("head_dim", self.head_dim >= 2 and self.head_dim % 2 == 0, f"{self.head_dim} must be even for RoPE"),
-            ("num_hidden_layers", self.num_hidden_layers >= 1, f"{self.num_hidden_layers} must be >= 1"),
-            ("layer_types", len(self.layer_types) == self.num_hidden_layers,
-             f"{self.layer_types} must hold num_hidden_layers={self.num_hidden_layers} entries"),
-            ("rope_type", self.rope_type == "default", f"{self.rope_type!r} is not supported (only 'default')"),
+    def checks(self):
+        return super().checks() + [
             ("block_size", self.block_size >= 1, f"{self.block_size} must be >= 1"),
-            ("target_layer_ids", len(self.target_layer_ids) >= 1
-             and all(0 <= i < self.num_target_layers for i in self.target_layer_ids),
-             f"{self.target_layer_ids} must be non-empty ids in [0, num_target_layers={self.num_target_layers})"),
-            ("mask_token_id", 0 <= self.mask_token_id < self.vocab_size,
-             f"{self.mask_token_id} must lie in [0, vocab_size={self.vocab_size})"),
             ("markov_rank", self.markov_rank >= 0, f"{self.markov_rank} must be >= 0"),
             ("markov_head_type", self.markov_rank == 0 or self.markov_head_type in MARKOV_HEAD_TYPES,
              f"{self.markov_head_type!r} is not supported (only {MARKOV_HEAD_TYPES})"),
             ("confidence_head_with_markov", not (self.enable_confidence_head and self.confidence_head_with_markov)
              or self.markov_rank > 0, "true needs markov_rank > 0"),
         ]
-        for name, ok, why in checks:
-            if not ok:
-                raise ValueError(f"DSparkConfig.{name}: {why}")
-        return self
 
     @classmethod
-    def from_dict(cls, d):
-        """Read DeepSpec's config.json; absent Qwen3 keys take Qwen3Config's defaults."""
+    def read_own_keys(cls, d, kwargs):
+        """DeepSpec's keys, all at top level: the architecture must be DSpark's, the REQUIRED keys present
+        (and the heads' type keys when the heads are on); the window is dropped unless use_sliding_window,
+        as transformers' Qwen3Config does."""
         arch = (d.get("architectures") or [ARCHITECTURE])[0]
         if arch != ARCHITECTURE:
             raise ValueError(f"DSpark config: architecture {arch!r} is not supported (only {ARCHITECTURE!r})")
@@ -116,35 +69,26 @@ class DSparkConfig:
             missing.append("confidence_head_with_markov")
         if missing:
             raise ValueError(f"DSpark config is missing required keys: {missing}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"DSpark config: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
-        if d.get("attention_bias"):
-            raise ValueError("DSpark config: attention_bias true is not supported")
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in names}
-        rope = d.get("rope_parameters") or {}
-        kwargs.update({k: rope[k] for k in ("rope_theta", "rope_type") if k in rope})
-        kwargs.setdefault("head_dim", 128)
-        kwargs.setdefault("num_key_value_heads", 32)
-        if kwargs["num_key_value_heads"] is None:
-            kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads")
-        if "dtype" not in d and "torch_dtype" in d:
-            kwargs["dtype"] = d["torch_dtype"]
-        if not kwargs.get("use_sliding_window"):  # transformers' Qwen3Config drops the window then
+        if not kwargs.get("use_sliding_window"):
             kwargs["sliding_window"] = None
         kwargs["markov_head_type"] = (kwargs.get("markov_head_type") or "").lower() or None
-        return cls(**kwargs).validate()
+
+    def engine_draft_tokens(self):
+        return self.block_size + 1, self.block_size  # SGLang counts the anchor too; vLLM one draft per slot
+
+    def for_engines(self, target_layers=None, target_vocab=None):
+        if any(self.layer_window(i) is not None for i in range(self.num_hidden_layers)):
+            raise ValueError(f"DSparkConfig.layer_types: {self.layer_types}: vLLM and SGLang run sliding DSpark layers "
+                             f"causal (no is_causal in DeepSpec's config), while DSpark drafts bidirectionally")
+        return super().for_engines(target_layers, target_vocab)
+
+    def without_windowless_sliding(self, layers):
+        config = dataclasses.replace(self, layer_types=["full_attention"] * self.num_hidden_layers)
+        return config, (f"layers {layers} slide with no window, which vLLM and SGLang refuse: written as "
+                        f"full_attention (bidirectional, as DSpark runs them)")
 
     def to_dict(self):
-        d = {
-            "architectures": [ARCHITECTURE], "model_type": "qwen3",
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim, "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": self.rope_type},
-            "max_position_embeddings": self.max_position_embeddings, "layer_types": list(self.layer_types),
-            "sliding_window": self.sliding_window, "use_sliding_window": self.use_sliding_window,
+        d = self.qwen3_dict() | {
             "vocab_size": self.vocab_size, "attention_bias": False, "tie_word_embeddings": False,
             "dtype": self.dtype, "num_target_layers": self.num_target_layers,
             "target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
@@ -155,10 +99,7 @@ class DSparkConfig:
             d["markov_head_type"] = self.markov_head_type
         if self.enable_confidence_head:
             d["confidence_head_with_markov"] = self.confidence_head_with_markov
-        for k in ("num_anchors", "bos_token_id", "eos_token_id", "pad_token_id"):
-            if getattr(self, k) is not None:
-                d[k] = getattr(self, k)
-        return d
+        return self.set_keys(d, ["num_anchors", "bos_token_id", "eos_token_id", "pad_token_id"])
 
 
 class DSparkLayer(nn.Module):
@@ -332,39 +273,11 @@ def load_dspark(path_or_hub_id, device=None, dtype=None, attn_backend=None):
 
 
 def save_dspark(drafter, directory, dtype=None, with_embeddings=None):
-    """Write config.json and model.safetensors in DeepSpec's layout; with_embeddings (default: when the
-    drafter has them) keeps the embed_tokens / lm_head copies."""
-    from safetensors.torch import save_file
-
+    """Write config.json and model.safetensors in DeepSpec's layout (checkpoint.write_checkpoint);
+    with_embeddings (default: when the drafter has them) keeps the embed_tokens / lm_head copies."""
     dtype = dtype or next(drafter.parameters()).dtype
     with_embeddings = drafter.own_embeddings if with_embeddings is None else with_embeddings
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     config = dataclasses.replace(drafter.config, dtype=str(dtype).removeprefix("torch."))
-    (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()
+    state = {k: v.to(dtype) for k, v in drafter.state_dict().items()
              if with_embeddings or k not in ("embed_tokens.weight", "lm_head.weight")}
-    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
-
-
-def draft_dspark(drafter, target, ctx, anchor, pos, ctx_len, block_size, sampling):
-    """DSpark (docs/DSPARK.md): the same block forward over [anchor, MASK x (B-1)], but every slot proposes: slot k
-    drafts the token at position pos + k + 1 by the Markov walk (dspark.dspark_walk). The block is never shrunk
-    (DeepSpec's loop); verification is cut instead. Returns drafts [b, B], q [b, B, V] and the confidence of each
-    slot [b, B]: sigma of the confidence head where the checkpoint has one (it reads h_k and the previous draft),
-    else the largest probability of the walk's law at T = 1 (also a function of the previous draft only)."""
-    block_pos = pos[:, None] + torch.arange(block_size, device=pos.device)
-    dtype = next(drafter.parameters()).dtype
-    head = drafter.lm_head if drafter.own_embeddings else target.lm_head_as(dtype)
-    embeds = drafter.embed_block(anchor, drafter.embed_tokens if drafter.own_embeddings else target.embed_tokens,
-                                 block_size).to(dtype)
-    slots = torch.arange(ctx_len, device=pos.device)
-    h = drafter(embeds, block_pos, ctx.view(ctx_len), slots[None, :] < pos[:, None])
-    drafts, q = dspark_walk(drafter, h, anchor, head, sampling.walk_temperature, sampling.generator)
-    conf = drafter.confidence_logits(h, walk_prev_ids(anchor, drafts))
-    if conf is None:
-        prev = walk_prev_ids(anchor, drafts)
-        conf = dspark_logits(drafter, h, prev, head).softmax(-1).amax(-1)
-    else:
-        conf = conf.sigmoid()
-    return drafts, q, conf
+    return write_checkpoint(directory, config, state)

@@ -277,6 +277,10 @@ def train(args, target=None):
     if not getattr(args, "init", None):
         with torch.no_grad():  # start the final norm where the shared LM head expects its inputs
             drafter.norm.weight.copy_(target.get_decoder().norm.weight)
+    try:  # what vLLM and SGLang would misread is refused now, not at the first save
+        drafter.config.for_engines(target.config.num_hidden_layers, lm_head.shape[0])
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     drafter.to(device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(args.seed + rank)  # batches are drawn on the CPU, whatever the device

@@ -32,15 +32,20 @@ Each step, for the batch of b rows in the forward (finished rows leave it; conti
    fixed before the target's draws, so any budget is lossless (SPEC §9).
 """
 import bisect
+import functools
 import hashlib
 import itertools
 import json
+import time
 from dataclasses import dataclass
 
 import torch
 
 from .machine import machine
+from .proposers import drafter_proposer
+from .settings import AUTO_TREE_CAP, cache_dir
 from .target import text_config
+from .verify import Sampling
 
 COST_BATCHES = (1, 2, 4, 8, 16, 32)  # rows measured (the model card's concurrencies 1, 8, 32 and between); the rest
 # interpolated, in proportion to b past 32
@@ -151,7 +156,7 @@ _MEMO = {}
 
 def costs_for(target, drafter, measure, cache_file=None):
     """This machine's costs for the pair: from memory, else from the cache file, else measured (measure(target,
-    drafter) is spec_decode.measure_costs, a few seconds) and stored. A busy machine times some widths in a quiet
+    drafter) is measure_costs, a few seconds) and stored. A busy machine times some widths in a quiet
     moment and others not: measured costs are stored only when two measurements in a row agree (steady);
     otherwise (MAX_PASSES without) their median serves this process, marked unsteady, and the next process
     measures again."""
@@ -224,31 +229,29 @@ class RequestState:
 
 
 class Policy:
-    """The widths of the loop's steps (module docstring). The loop calls, each step: begin (which rows are in
-    flight), drafts (step 1), cut_chain or cut_tree inside the step (step 2), then end with what was accepted."""
+    """The widths of the loop's steps (module docstring). A step's contract, for every policy: begin (step 1:
+    whether the drafter runs), then inside a drafted step cut_chain or cut_tree (step 2), then end with what the
+    step verified and accepted. Nothing is carried from a cut to end but what the step returns."""
 
     def __init__(self, costs, cap, tree=False, forget=0.7):
         self.costs, self.cap, self.tree, self.forget = costs, cap, tree, forget
         self.state = {}  # request -> RequestState
         self.rows = []  # the states of this step's rows
-        self.alive = []  # which of this step's rows decode
-        self.widths = []  # each row's verified block this step (1: its anchor alone); the forward's is the widest
+        self.alive = []  # which of this step's rows decode (begin)
         self.plain_left, self.backoff = 0, 2  # plain steps before the batch tries drafting again, and the next wait
         self.after_plain = False  # the next drafted step is a try after a plain run
 
-    def begin(self, requests, steps):
+    def begin(self, requests, steps, alive):
+        """Step 1, from earlier steps only: whether the drafter runs this step (the batch is not waiting out a
+        plain run after drafting did not pay)."""
         self.rows = [self.state.setdefault(r, RequestState()) for r in requests]
+        self.alive = list(alive)
+        return any(alive) and self.plain_left == 0
 
     def rate(self):
         """The batch's rate: its live rows' mean rate, in units of plain decoding's (module docstring, step 1)."""
         live = [s.rate for s, a in zip(self.rows, self.alive) if a]
         return sum(live) / max(len(live), 1)
-
-    def drafts(self, alive):
-        """Step 1, from earlier steps only: whether the drafter runs this step (the batch is not waiting out a
-        plain run after drafting did not pay)."""
-        self.alive, self.widths = list(alive), [1] * len(self.rows)
-        return any(alive) and self.plain_left == 0
 
     def rho(self):
         """The batch's tokens per unit cost that a wider forward must beat: plain decoding's, b_live / V(1, b),
@@ -260,10 +263,8 @@ class Policy:
         """Step 2 of a chain: conf [b, n] the law's largest probability per slot, allowed [b] the drafts each row
         may still verify. Returns the drafts each row verifies [b] and the forward's width W (host)."""
         allowed = allowed * torch.tensor(self.alive, device=allowed.device)
-        width = chain_width(conf, allowed, self.rho(), self.costs)
-        keep = allowed.clamp(max=width - 1)
-        self.widths = (keep + 1).tolist()  # the host sync of the decision
-        return keep, width
+        width = chain_width(conf, allowed, self.rho(), self.costs)  # the host sync of the decision
+        return allowed.clamp(max=width - 1), width
 
     def cut_tree(self, tree):
         """Step 2 of a tree: the budget among TREE_BUDGETS (up to the cap) with the most expected tokens per
@@ -274,18 +275,17 @@ class Policy:
         budgets = [n for n in TREE_BUDGETS if n <= min(self.cap, mass.shape[1])] or [mass.shape[1]]
         rate = [(live + float(mass[:, n - 1].sum())) / (self.costs.D(b, tree=True) + self.costs.V(n + 1, b))
                 for n in budgets]
-        budget = budgets[rate.index(max(rate))]
-        self.widths = [budget + 1] * len(self.rows)
-        return budget
+        return budgets[rate.index(max(rate))]
 
-    def end(self, alive, accepted, drafted):
-        """After a step: each live row's tokens (accepted + 1) for what the step cost, in plain steps' worth; then
-        whether the batch decodes plainly for a while (module docstring, step 1)."""
+    def end(self, alive, accepted, drafted, width):
+        """After a step: each live row's tokens (accepted + 1) for what the step cost (a draft and a verify forward
+        of b rows by `width` tokens), in plain steps' worth; then whether the batch decodes plainly for a while
+        (module docstring, step 1)."""
         if not drafted:
             self.plain_left, self.after_plain = max(0, self.plain_left - 1), True
             return
         b = len(alive)
-        cost = (self.costs.D(b, self.tree) + self.costs.V(max(self.widths), b)) / self.costs.V(1, b)
+        cost = (self.costs.D(b, self.tree) + self.costs.V(width, b)) / self.costs.V(1, b)
         for s, a, n in zip(self.rows, alive, accepted):
             if a:
                 if self.after_plain:  # the plain run paid for the failures before it: a try starts from TRY_RATE
@@ -311,6 +311,25 @@ def chain_width(conf, allowed, rho, costs):
     return 1 + int(widen.long().cumprod(0).sum())
 
 
+class ConfidenceThreshold:
+    """DSpark's own cut (DeepSpec's eval/dspark/draft_ops.py): every step drafts, and each row verifies the drafts
+    before its first slot whose confidence sigma(c_k) < threshold. c_k reads the drafts before slot k only, so
+    the cut is a stopping rule, lossless at every temperature (SPEC §10)."""
+
+    def __init__(self, threshold):
+        self.threshold = threshold
+
+    def begin(self, requests, steps, alive):
+        return True
+
+    def cut_chain(self, conf, allowed):
+        keep = (conf >= self.threshold).long().cumprod(-1).sum(-1)
+        return keep, int(keep.max()) + 1
+
+    def end(self, alive, accepted, drafted, width):
+        pass
+
+
 class ReplayPolicy:
     """The widths a trace recorded, step by step (check_trace replays a run of the auto policy with it)."""
 
@@ -318,10 +337,8 @@ class ReplayPolicy:
         self.recorded = recorded  # (request, step) -> that row's verified block (1: its anchor alone)
         self.widths = []
 
-    def begin(self, requests, steps):
+    def begin(self, requests, steps, alive):
         self.widths = [self.recorded.get((r, s), 1) for r, s in zip(requests, steps)]
-
-    def drafts(self, alive):
         return max(self.widths) > 1
 
     def cut_chain(self, conf, allowed):
@@ -330,5 +347,91 @@ class ReplayPolicy:
     def cut_tree(self, tree):
         return max(self.widths) - 1
 
-    def end(self, alive, accepted, drafted):
+    def end(self, alive, accepted, drafted, width):
         pass
+
+
+# --- this machine's costs, measured ---
+
+
+def _best_time(fn, reps, least_s=0.02, warm=True):
+    """The fastest of at least reps calls (more while they take under least_s in all), after a warm-up."""
+    if warm:
+        fn()  # first calls allocate
+    best, spent, n = float("inf"), 0.0, 0
+    while n < reps or spent < least_s:
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        took = time.perf_counter() - start
+        best, spent, n = min(best, took), spent + took, n + 1
+    return best
+
+
+def machine_costs(target, drafter):
+    """This machine's Costs for the pair: measured once (measure_costs) and cached in the cache dir."""
+    return costs_for(target, drafter, measure_costs, cache_dir() / "costs.json")
+
+
+@torch.inference_mode()
+def measure_costs(target, drafter, max_width=AUTO_TREE_CAP + 1, reps=3):
+    """This machine's Costs: a verify forward of b rows by w tokens over a COST_CONTEXT-token context at
+    COST_BATCHES rows and cost_widths(b) tokens, and at each b one draft of the drafter's proposer
+    (proposers.drafter_proposer: its walk and confidences; for a drafter that makes trees, a tree at the largest
+    budget, timed at one row and scaled to b rows as the chain's draft), each timed as the loop runs it. The b
+    rows are copies of one prefilled row."""
+    device, ctx, W = target.device, COST_CONTEXT, max_width
+    ids = torch.randint(target.vocab_size, (1, ctx), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(ctx, device=device)[None]
+    cache = target.new_cache(ctx + W + 2)
+    logits, feats = target.forward(ids, positions, cache, ctx)
+    proposer = context = None
+    if drafter is not None:
+        proposer = drafter_proposer(target, drafter)
+        context = proposer.context(1, ctx + W + 2, device, defer=True)
+        context.write(feats, positions)
+    anchor = logits[:, -1].argmax(-1)
+    seconds, drafts, tree = {}, {b: 0.0 for b in COST_BATCHES}, 0.0
+    rows = 1
+    for b in sorted(COST_BATCHES, reverse=True):  # b copies of the row, then each smaller b a prefix of them
+        index = torch.zeros(b, dtype=torch.long, device=device) if b > rows else torch.arange(b, device=device)
+        cache.select_rows(index)
+        if context is not None:
+            context.select_rows(index)
+        rows = b
+        seconds[b] = time_verify(target, cache, b, cost_widths(b, W), ctx, W, reps)
+        if proposer is not None:
+            drafts[b], tree_b = time_draft(proposer, context, anchor.expand(b), ctx, reps, tree=b == 1)
+            tree = tree_b if b == 1 else tree
+    one = seconds[1][1]
+    verify = {b: {w: t / one for w, t in by_width.items()} for b, by_width in seconds.items()}
+    trees = {b: tree / one * (drafts[b] / drafts[1] if drafts[1] else 1.0) for b in COST_BATCHES}
+    return grid_costs(verify, {b: t / one for b, t in drafts.items()}, trees, W, cost_key(target, drafter), one * 1000)
+
+
+def time_verify(target, cache, b, widths, ctx, max_width, reps):
+    """{w: seconds} of a verify forward of b rows by w tokens at positions ctx.. (the fastest of reps rounds over
+    every width, so that a busy moment slows all widths alike)."""
+    device = target.device
+    calls = {w: functools.partial(target.forward, torch.zeros(b, w, dtype=torch.long, device=device),
+                                  (ctx + torch.arange(w, device=device))[None].expand(b, w), cache, ctx + max_width)
+             for w in widths}
+    seconds = {w: float("inf") for w in widths}
+    for i in range(reps):
+        for w in widths:
+            seconds[w] = min(seconds[w], _best_time(calls[w], 1, warm=i == 0))
+    return seconds
+
+
+def time_draft(proposer, context, anchor, ctx, reps, tree=True):
+    """Seconds of one draft of anchor's b rows at position ctx: (its walk and confidences, and a tree at the
+    largest budget when tree and the proposer makes trees, else the walk's time again)."""
+    pos = torch.full_like(anchor, ctx)
+    sizes = torch.full_like(pos, proposer.width)
+    sampling = Sampling(0.0, 0, 1.0, torch.Generator(device=anchor.device))
+    chain = _best_time(lambda: proposer.draft(context, anchor, pos, sizes, ctx, sampling).confidence, reps)
+    if not (tree and proposer.trees):
+        return chain, chain
+    return chain, _best_time(lambda: proposer.tree(context, anchor, pos, sizes, ctx, "selector")(TREE_BUDGETS[-1]),
+                             reps)

@@ -52,22 +52,6 @@ def check_sampling_params(temperature, top_p, top_k):
         raise ValueError(f"top_k must be >= 0 (0 means no top-k), got {top_k}")
 
 
-def check_block_size(block_size, largest=None):
-    """A block holds the anchor and at least one draft, and no more slots than the drafter was built for."""
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {block_size}")
-    if largest is not None and block_size > largest:
-        raise ValueError(f"block_size {block_size} is larger than the drafter's block size {largest}")
-
-
-def check_tree_settings(budget, scores):
-    """A tree has at least one node; its path scores come from the selector or the marginals."""
-    if budget is not None and budget < 1:
-        raise ValueError(f"tree_budget must be >= 1, got {budget}")
-    if scores not in TREE_SCORES:
-        raise ValueError(f"tree_scores must be one of {TREE_SCORES}, got {scores!r}")
-
-
 def cache_dir():
     """Where the embedded target's converted copy and the measured costs live: $DFLASH2_CACHE, else
     $XDG_CACHE_HOME/dflash2-ref, else ~/.cache/dflash2-ref."""
@@ -142,6 +126,7 @@ class DecodeSettings:
     static: bool = False  # bucketed shapes, for a compiled core
     policy: str = "auto"  # each step's width from measured costs and the drafter's law (policy.py); "fixed": whole blocks
     walk: str = "sample"  # at T > 0: "sample" draws each draft from the selector's law; "greedy" takes its argmax
+    dspark_threshold: float = 0.0  # dspark: verify the drafts before the first with sigma(c_k) < this; 0 = off (DeepSpec's)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
@@ -172,6 +157,10 @@ class DecodeSettings:
             out.append(("policy", f"must be one of {POLICIES}, got {self.policy!r}"))
         if self.max_batch is not None and not self.max_batch >= 1:
             out.append(("max_batch", f"must be >= 1, got {self.max_batch}"))
+        if not 0 <= self.dspark_threshold <= 1:
+            out.append(("dspark_threshold", f"must be in [0, 1] (0 means off), got {self.dspark_threshold}"))
+        elif self.dspark_threshold > 0 and self.method != "dspark":
+            out.append(("dspark_threshold", f"is DSpark's cut: it needs method 'dspark', got {self.method!r}"))
         return out
 
     def validate(self):
@@ -183,7 +172,7 @@ class DecodeSettings:
 
     def resolved(self, device_type, drafter_block_size=None):
         """The settings that run: block_size from the drafter (None for ar), tree_budget from the device type, and
-        the policy "fixed" where nothing is drafted or shapes are static."""
+        the policy "fixed" where nothing is drafted, shapes are static or DSpark's threshold is the cut."""
         self.validate()
         block = None
         if self.method != "ar":
@@ -192,6 +181,7 @@ class DecodeSettings:
                 raise SettingError("block_size", f"{block} is larger than the drafter's block size {drafter_block_size}")
         # static shapes verify whole blocks: every width would be one more compiled graph (the CLI's --compile too)
         speculates = self.method in ("dflash2", "dflash", "dflash2-tree", "dspark") and not self.static
+        speculates = speculates and not self.dspark_threshold > 0  # the threshold is a cut of its own
         policy = self.policy if speculates else "fixed"
         budget = None
         if self.method == "dflash2-tree":  # auto: the cap the policy chooses under

@@ -277,7 +277,7 @@ def check_trace(path, target=None, draft=None, device="cpu", atol=1e-4, log=sys.
     def trace(rec):
         replay.extend(step_records(rec))
 
-    results = sd.generate(pair.target, pair.drafter, cfg["prompts"], settings, trace=trace, speculation=policy)
+    results = sd.generate(pair.target, pair.drafter, cfg["prompts"], settings, trace=trace, policy_override=policy)
     replay += [result_record(i, res) for i, res in enumerate(results)]
     divergence = compare_traces(replay, records[1:], atol)
     if divergence is not None:

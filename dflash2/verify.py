@@ -4,6 +4,7 @@ This module imports nothing but torch, so other implementations can use it as an
 transformers. Randomness comes in as uniform tensors drawn by the caller, so nothing here needs a
 host sync and every result can be replayed.
 """
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
@@ -103,6 +104,29 @@ def sample_index(probs, generator=None):
 # --- chain verification ---
 
 
+@dataclass
+class Sampling:
+    """How tokens are chosen: greedy at temperature 0, else drawn from P (process_logits), every draw from
+    `generator`. walk_temperature: the drafter's walk's (temperature, or 0 for a greedy walk, q one-hot)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator
+    walk_temperature: float = None
+
+    def __post_init__(self):
+        if self.walk_temperature is None:
+            self.walk_temperature = self.temperature
+
+    def first_tokens(self, last):
+        """The token after each prompt, from the prefill's last logits [b, V]."""
+        if self.temperature == 0:
+            return last.argmax(-1)
+        u = torch.rand(last.shape[0], generator=self.generator, device=last.device)
+        return sample_from(process_logits(last, self.temperature, self.top_k, self.top_p), u)
+
+
 def acceptance_probability(p_draft, q_draft):
     """alpha = min(1, P_{i-1}(d_i) / q_i(d_i)), elementwise; q = 0 gives 1 if P > 0 else 0."""
     # x/0 = inf clamps to 1; 0/0 = nan becomes 0 (a draft neither model allows is rejected).
@@ -110,7 +134,8 @@ def acceptance_probability(p_draft, q_draft):
 
 
 def residual_distribution(p, q):
-    """normalize(max(P - q, 0)) over the last dim; P itself where that has no mass (then P == q and rejection never happens)."""
+    """normalize(max(P - q, 0)) over the last dim, and P itself where that has no mass (P == q). verify_sampled never
+    rejects there (it accepts when u < min(1, P/q) = 1); a rule that can (SGLang's case (i) does) draws from P."""
     residual = (p - q).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
     return torch.where(mass > 0, residual / mass, p)

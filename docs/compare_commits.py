@@ -2,6 +2,8 @@
 
     python docs/compare_commits.py --old 4348e5a --new HEAD --data-dir ../shared/data
 
+Its use: show that a change to the loop keeps its speed (within the machine's noise) and its greedy outputs.
+
 Each commit's `dflash2/` is extracted with `git archive` into a temporary folder and imported under its own name
 (`dflash2_old`, `dflash2_new`; the package uses relative imports only). Both copies register the packed-linear
 custom op, so the old copy's op namespace is renamed on extraction; nothing else is changed. Each copy loads its
@@ -49,12 +51,16 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--methods", default="ar,dflash2,dflash2-tree")
+    ap.add_argument("--block-size", type=int, default=8, help="every step's block (tree: its node budget)")
+    ap.add_argument("--target", default=None, help="target dir or hub id (default: the embedded one)")
+    ap.add_argument("--draft", default=None, help="drafter dir or hub id (default: the embedded one)")
     args = ap.parse_args()
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
         copies = {"old": extract(args.old, "dflash2_old", Path(tmp)), "new": extract(args.new, "dflash2_new", Path(tmp))}
-        pairs = {k: importlib.import_module(f"{m.__name__}.pair").load_pair() for k, m in copies.items()}
+        pairs = {k: importlib.import_module(f"{m.__name__}.pair").load_pair(args.target, args.draft)
+                 for k, m in copies.items()}
         loops = {k: importlib.import_module(f"{m.__name__}.spec_decode") for k, m in copies.items()}
         tok = pairs["new"].tokenizer
         prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
@@ -66,9 +72,9 @@ def main():
                 for k in (("old", "new") if rnd % 2 == 0 else ("new", "old")):
                     kw = dict(method=method, max_new_tokens=args.max_new_tokens)
                     if method != "ar":
-                        kw.update(block_size=8)
+                        kw.update(block_size=args.block_size)
                     if method == "dflash2-tree":
-                        kw.update(tree_budget=8)
+                        kw.update(tree_budget=args.block_size)
                     if hasattr(importlib.import_module(f"{copies[k].__name__}.settings"), "DecodeSettings"):
                         kw.update(policy="fixed")  # the old loop has no policy: compare the loops at a fixed width
                     drafter = None if method == "ar" else pairs[k].drafter

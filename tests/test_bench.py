@@ -3,12 +3,15 @@ import gzip
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
 from dflash2 import bench
 from targets import DATA_DIR, tiny_drafter, tiny_target
 from tiny_tokenizer import tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"benchmark data not found at {DATA_DIR} "
                                 "(set DFLASH2_DATA_DIR to a copy of the ../shared/data layout)")
@@ -106,7 +109,8 @@ def test_tiny_run_reports_every_field(tiny_pair, tmp_path, capsys):
     assert {(r["task"], r["method"], r["concurrency"]) for r in rows} == {
         (t, m, c) for t in ("gsm8k", "mbpp") for m in ("ar", "dflash2") for c in (1, 2)}
     for r in rows:
-        assert set(r) - {"step_ms", "widths"} == {"task", "method", "concurrency", "num_prompts", "acceptance_length",
+        assert set(r) - {"step_ms", "widths"} == {"task", "method", "concurrency", "temperature", "top_p",
+                                                  "num_prompts", "acceptance_length",
                                         "throughput_tok_s", "speedup_vs_ar", "speedup_vs_hf", "completion_tokens",
                                         "wall_s", "identical_to_ar", "cannot_run"}
         assert r["num_prompts"] == 3 and r["identical_to_ar"] is True and r["cannot_run"] is None
@@ -146,7 +150,7 @@ def test_plot_draws_tau_and_throughput(tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib")
     rows = [dict(task=t, method=m, concurrency=c, acceptance_length=1.0 if m == "ar" else 3.0,
                  throughput_tok_s=100.0 * c) for t in ("gsm8k", "mbpp") for m in ("ar", "dflash2") for c in (1, 2)]
-    bench.plot(rows, ["gsm8k", "mbpp"], ["ar", "dflash2"], [1, 2], tmp_path / "bench.png")
+    bench.report.plot(rows, ["gsm8k", "mbpp"], ["ar", "dflash2"], [1, 2], tmp_path / "bench.png")
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
@@ -244,7 +248,8 @@ def test_peers_reproduce_our_greedy_output_and_say_what_they_cannot_run(tiny_pai
     assert set(rows) == {(t, m, c) for t in ("gsm8k", "mbpp") for m in methods for c in (1, 2)}
     assert report["config"]["pld_num_tokens"] == 3 and report["config"]["pld_ngram"] == 1
     for (task, m, c), r in rows.items():
-        assert set(r) - {"step_ms", "widths"} == {"task", "method", "concurrency", "num_prompts", "acceptance_length",
+        assert set(r) - {"step_ms", "widths"} == {"task", "method", "concurrency", "temperature", "top_p",
+                                                  "num_prompts", "acceptance_length",
                                         "throughput_tok_s", "speedup_vs_ar", "speedup_vs_hf", "completion_tokens",
                                         "wall_s", "identical_to_ar", "cannot_run"}
         if m in peers and c == 2:
@@ -326,7 +331,7 @@ def test_profile_times_every_phase_without_timers_in_the_loop():
     run, and the output is the same as without the profile."""
     import argparse
 
-    from dflash2 import spec_decode as sd
+    from dflash2 import proposers, spec_decode as sd
     from dflash2.target import Target
 
     model = tiny_target("llama")
@@ -340,7 +345,7 @@ def test_profile_times_every_phase_without_timers_in_the_loop():
     assert set(timings) == {"prefill", "drafter", "selector", "verify", "bookkeeping"}
     assert all(v > 0 for v in timings.values()) and abs(sum(timings.values()) - wall) < 1e-9
     assert [r.tokens for r in profiled] == [r.tokens for r in plain]
-    assert "forward" not in vars(target) and sd.draft.__name__ == "draft" and sd._prefill.__name__ == "_prefill"
+    assert "forward" not in vars(target) and proposers.draft.__name__ == "draft" and sd._prefill.__name__ == "_prefill"
 
 
 def test_interleave_times_prompt_by_prompt_in_rotating_order(tiny_pair, tmp_path, capsys, monkeypatch):
@@ -375,4 +380,75 @@ def test_interleave_times_prompt_by_prompt_in_rotating_order(tiny_pair, tmp_path
     with pytest.raises(SystemExit, match="--interleave"):
         _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--concurrency", "1,2", "--interleave")
     with pytest.raises(SystemExit, match="--rounds"):
-        _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--rounds", "2")
+        _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--rounds", "0")
+
+
+def test_rounds_take_turns_cell_by_cell(tiny_pair, tmp_path, monkeypatch):
+    """--rounds N without --interleave: each cell's methods decode all its prompts in turn, the first method rotating
+    from round to round, and a cell's throughput pools every round's tokens and wall."""
+    calls = []
+    real = bench.run_method
+
+    def spy(target, drafter, prompts, method, concurrency, *args, **kwargs):
+        calls.append((method, concurrency, len(prompts)))
+        return real(target, drafter, prompts, method, concurrency, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_method", spy)
+    write_tiny_data(tmp_path / "data")
+    report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--tasks", "gsm8k", "--methods", "ar,dflash2",
+                    "--concurrency", "1,2", "--num-prompts", "3", "--max-new-tokens", "8", "--rounds", "2")
+    assert calls == [(m, c, 3) for c in (1, 2) for m in ("ar", "dflash2", "dflash2", "ar")]
+    for r in report["results"]:
+        assert r["rounds"] == 2 and r["completion_tokens"] * 2 == pytest.approx(r["throughput_tok_s"] * r["wall_s"])
+        assert r["identical_to_ar"] is True
+
+
+def test_protocol_runs_the_cards_cells_and_reports_them_again_from_its_file(tiny_pair, tmp_path, capsys):
+    """--protocol: ar, dflash2 and dspark at c = 1, 8 and 32 on the six tasks, greedy and at T = 1 / top-p 0.95; the
+    run prints each cell's widths, tau and speedup and the costs line, and --report FILE prints the same tables."""
+    from test_dspark import tiny_dspark
+
+    target_dir, _ = tiny_pair
+    from transformers import AutoModelForCausalLM
+
+    tiny_dspark(AutoModelForCausalLM.from_pretrained(target_dir)).save_pretrained(tmp_path / "dspark")
+    write_tiny_data(tmp_path / "data")
+    out = tmp_path / "card.json"
+    data = _bench(tiny_pair, tmp_path / "data", out, "--protocol", "--dspark-draft", str(tmp_path / "dspark"),
+                  "--num-prompts", "1", "--max-new-tokens", "4", "--rounds", "1")
+    printed = capsys.readouterr().out
+    rows = {(r["temperature"], r["top_p"], r["task"], r["method"], r["concurrency"]): r for r in data["results"]}
+    assert set(rows) == {(t, p, task, m, c) for t, p in ((0.0, 1.0), (1.0, 0.95)) for task in bench.SIX_TASKS
+                         for m in ("ar", "dflash2", "dspark") for c in (1, 8, 32)}
+    for (t, _, _, m, _), r in rows.items():
+        assert r["identical_to_ar"] is (True if t == 0 else None) and r["throughput_tok_s"] > 0
+        assert (m == "ar") == ("widths" not in r) and r["speedup_vs_ar"] > 0
+    assert set(data["config"]["costs"]) == {"dflash2", "dspark"} and "WARNING" not in printed
+    tables = bench.report.text(data)
+    assert printed.endswith(tables + "\n")
+    assert "**greedy**" in tables and "**T = 1, top-p 0.95**" in tables and "dspark costs (units" in tables
+    assert "| chat-heldout | dspark | 32 |" in tables  # a cell of the widths table
+    capsys.readouterr()
+    bench.main(["--report", str(out)])
+    assert capsys.readouterr().out == tables + "\n"
+    bench.main(["--report", str(out), "--sections", "widths"])
+    assert "Verified widths" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not a readable results JSON"):
+        bench.main(["--report", str(tmp_path / "missing.json")])
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the git history (a checkout, not an sdist)")
+def test_compare_commits_runs_two_copies_side_by_side(tmp_path):
+    """docs/compare_commits.py on the golden pair: HEAD against itself, one round; the table says the outputs agree."""
+    import subprocess
+
+    write_tiny_data(tmp_path / "data")
+    golden = ROOT / "tests" / "golden"
+    done = subprocess.run([sys.executable, str(ROOT / "docs" / "compare_commits.py"), "--old", "HEAD", "--new", "HEAD",
+                           "--target", str(golden / "target"), "--draft", str(golden / "draft"), "--data-dir",
+                           str(tmp_path / "data"), "--num-prompts", "1", "--max-new-tokens", "6", "--rounds", "1",
+                           "--methods", "ar,dflash2", "--block-size", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| ar |", "| dflash2 |"))]
+    assert len(rows) == 2 and all(line.endswith("| True |") for line in rows), done.stdout

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dflash2_ref
-from dflash2 import settings
+from dflash2 import policy, settings
 from dflash2.model import DFlash2Drafter
 from targets import synthetic_costs, tiny_glm_config
 
@@ -79,8 +79,9 @@ def test_prompt_file_is_the_same_prompt(capsys, tmp_path):
 
 
 def test_command_line_subprocess():
-    """The real entry point: one JSON object on stdout, nothing on stderr, and exit 2 for a bad setting."""
-    cmd = [sys.executable, "dflash2_ref.py", *PAIR, "--prompt", "the time", "--max-new-tokens", "8"]
+    """The real entry point: one JSON object on stdout, nothing on stderr, and exit 2 for a bad setting (a fixed
+    block: a subprocess would measure this machine's costs under the policy)."""
+    cmd = [sys.executable, "dflash2_ref.py", *PAIR, "--prompt", "the time", "--max-new-tokens", "8", "--block-size", "4"]
     ok = subprocess.run(cmd + ["--baseline", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["identical"] is True
@@ -114,6 +115,8 @@ def bad_inputs(tmp):
         (["--prompt", "the", "--block-size", "7"], 2, "larger than the drafter's block size 6"),
         (["--prompt", "the", "--block-size", "1"], 2, "--block-size must be >= 2"),
         (["--prompt", "the", "--method", "dflash2-tree", "--tree-budget", "0"], 2, "--tree-budget must be >= 1"),
+        (["--prompt", "the", "--dspark-threshold", "1.5"], 2, "--dspark-threshold must be in [0, 1]"),
+        (["--prompt", "the", "--dspark-threshold", "0.5"], 2, "--dspark-threshold is DSpark's cut: it needs method"),
         (["--prompt", "the", "--device", "tpu9"], 2, "--device 'tpu9' is not usable"),
         (["--prompt", "the", "--draft", drafter_dir(tmp / "h", hidden_size=48)], 2,
          "hidden_size 48 does not match the target's 32"),
@@ -128,6 +131,7 @@ def bad_inputs(tmp):
         (["--prompt", "the", "--target", str(tmp / "missing"), "--draft", str(GOLDEN / "draft")], 2,
          "no such model directory"),
         (["--check-trace", str(tmp / "missing.jsonl")], 2, "not a readable JSON Lines trace"),
+        (["--prompt", "the", "--trace", str(tmp / "missing" / "t.jsonl")], 2, "its folder does not exist"),
         (["--prompt", "the", "--attn-backend", "flash"], 2, "attention backend 'flash' cannot run on cpu"),
         (["--prompt", "the", "--attn-backend", "flex", "--compile"], 2, "'flex' cannot be compiled into the drafter on CPU"),
     ]
@@ -162,13 +166,37 @@ def test_every_option_is_documented_with_its_default():
     assert "(default: 1,8,32)" in settings.HelpFormatter("x")._get_help_string(concurrency)
 
 
-def test_bad_inputs_exit_with_one_clear_line(capsys, tmp_path):
+def never_measured(target, drafter):
+    raise AssertionError("the costs were read or measured before every input was checked")
+
+
+@pytest.mark.measures_costs
+def test_bad_inputs_exit_with_one_clear_line(capsys, tmp_path, monkeypatch):
+    """Each bad input is one line, found before the costs are read from the cache or measured."""
+    from dflash2 import spec_decode
+
+    monkeypatch.setattr(spec_decode, "machine_costs", never_measured)
+    monkeypatch.setattr(policy, "machine_costs", never_measured)
+    monkeypatch.setattr(policy, "measure_costs", never_measured)
     for argv, code, phrase in bad_inputs(tmp_path):
         if "--target" not in argv and "--check-trace" not in argv:  # the golden pair unless the case names its own
             argv = PAIR + argv if "--draft" not in argv else ["--target", str(GOLDEN / "target")] + argv
         rc, out, err = cli(capsys, *argv)
         assert (rc, out) == (code, ""), (argv[-2:], err)
         assert err.startswith("error: ") and err.count("\n") == 1 and phrase in err, (argv[-2:], err)
+
+
+@pytest.mark.measures_costs
+def test_generate_checks_its_inputs_before_the_costs(monkeypatch):
+    """generate under the policy: a prompt too long for the target is refused before any cost is read."""
+    from dflash2 import pair as pair_module, spec_decode
+
+    monkeypatch.setattr(spec_decode, "machine_costs", never_measured)
+    monkeypatch.setattr(policy, "machine_costs", never_measured)
+    monkeypatch.setattr(policy, "measure_costs", never_measured)
+    loaded = pair_module.load_pair(str(GOLDEN / "target"), str(GOLDEN / "draft"), torch.device("cpu"), torch.float32)
+    with pytest.raises(settings.InputError, match="prompt too long"):
+        spec_decode.generate(loaded.target, loaded.drafter, [[1] * 1100], max_new_tokens=8, policy="auto")
 
 
 def test_debug_shows_the_traceback(capsys):
@@ -206,10 +234,35 @@ def test_default_dspark_pair_greedy_matches_autoregressive(capsys):
 
 
 @pytest.mark.measures_costs
+def test_measured_costs_are_said_once_and_cached(capsys, monkeypatch, tmp_path):
+    """An empty cost cache: the CLI says it measures (injected, steady measurements), caches them, and the next run
+    reads them without a word."""
+    from dflash2 import policy, spec_decode
+
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    policy._MEMO.clear()
+    calls = []
+
+    def steady(target, drafter):
+        calls.append(1)
+        return dataclasses.replace(synthetic_costs(), key=policy.cost_key(target, drafter))
+
+    monkeypatch.setattr(policy, "measure_costs", steady)
+    rc, _, err = cli(capsys, *PAIR, "--prompt", "the time of day", "--max-new-tokens", "6")
+    assert rc == 0, err
+    assert "measuring this machine's verify and draft costs" in err and "unsteady" not in err
+    assert len(calls) == 2 and (tmp_path / "costs.json").is_file()
+    policy._MEMO.clear()
+    rc, _, err = cli(capsys, *PAIR, "--prompt", "the time of day", "--max-new-tokens", "6")
+    policy._MEMO.clear()
+    assert rc == 0 and "[policy]" not in err and len(calls) == 2
+
+
+@pytest.mark.measures_costs
 def test_unsteady_costs_are_said_and_not_cached(capsys, monkeypatch, tmp_path):
     """A busy machine while the costs are measured (no two measurements agree): the CLI says so on stderr, the
     run goes on with them, and nothing is cached."""
-    from dflash2 import policy, spec_decode
+    from dflash2 import policy
 
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
     policy._MEMO.clear()
@@ -219,7 +272,7 @@ def test_unsteady_costs_are_said_and_not_cached(capsys, monkeypatch, tmp_path):
         calls.append(1)
         return dataclasses.replace(synthetic_costs(per_token=0.5 * len(calls)), key=policy.cost_key(target, drafter))
 
-    monkeypatch.setattr(spec_decode, "measure_costs", jumpy)
+    monkeypatch.setattr(policy, "measure_costs", jumpy)
     rc, out, err = cli(capsys, *PAIR, "--prompt", "the time of day", "--max-new-tokens", "6")
     policy._MEMO.clear()
     assert rc == 0, err

@@ -112,6 +112,61 @@ def test_confidence_cut_matches_deepspec(drafter):
         assert torch.equal(got, expected("greedy_cut")[:, j]), threshold
 
 
+def fixture_proposal(drafter, sampling):
+    """The fixture's two blocks through the loop's proposer (proposers.DSparkWalk.draft), contexts in one
+    DraftContext."""
+    from dflash2.proposers import DSparkWalk
+
+    lengths = torch.tensor([c["context_length"] for c in META["cases"]])
+    S = int(lengths.max())
+    feats = torch.zeros(len(lengths), S, EXPECTED["case0.target_hidden"].shape[-1], dtype=torch.float64)
+    for i in CASES:
+        feats[i, : lengths[i]] = EXPECTED[f"case{i}.target_hidden"]
+    ctx = DraftContext(drafter, len(lengths), S, "cpu")
+    ctx.write(feats, torch.arange(S).expand(len(lengths), S))
+    anchors = torch.tensor([c["anchor"] for c in META["cases"]])
+    proposer = DSparkWalk(None, drafter, drafter.config.block_size)  # the fixture's drafter has its own tables
+    return proposer.draft(ctx, anchors, lengths, None, S, sampling)
+
+
+def test_the_loops_sampled_walk_matches_deepspec(drafter, monkeypatch):
+    """DeepSpec's sampled block, through the loop's proposer: with each draw forced to the token DeepSpec drew
+    (its torch.multinomial and our uniforms cannot draw alike), the walk feeds each draw to the next slot as DeepSpec
+    does, so every slot's q, every confidence and DeepSpec's drafts come out of our walk."""
+    from dflash2 import dspark
+    from dflash2.verify import Sampling
+
+    theirs, slot = expected("sampled_drafts"), [0]
+
+    def forced(probs, generator=None):
+        d = theirs[:, slot[0]]
+        assert (probs.gather(-1, d[:, None]) > 0).all()  # a draw the walk's own law allows
+        slot[0] += 1
+        return d
+
+    monkeypatch.setattr(dspark, "sample_index", forced)
+    d = fixture_proposal(drafter, Sampling(META["temperature"], 0, 1.0, torch.Generator()))
+    assert slot[0] == drafter.config.block_size and torch.equal(d.tokens, theirs)
+    torch.testing.assert_close(d.q, expected("sampled_q"), rtol=0, atol=1e-6)
+    torch.testing.assert_close(d.confidence, expected("sampled_confidence").sigmoid(), rtol=0, atol=1e-6)
+
+
+def test_the_loops_confidence_cut_matches_deepspec(drafter):
+    """DeepSpec's cut at each fixture threshold, as the loop runs it: the proposer's greedy block and confidences,
+    cut by policy.ConfidenceThreshold (the drafts it verifies per row, and the forward's width)."""
+    from dflash2.policy import ConfidenceThreshold
+    from dflash2.verify import Sampling
+
+    d = fixture_proposal(drafter, Sampling(0.0, 0, 1.0, None))
+    assert torch.equal(d.tokens, expected("greedy_drafts"))
+    B = drafter.config.block_size
+    for j, threshold in enumerate(META["thresholds"]):
+        if threshold == 0:
+            continue  # the cut off: every draft verified (no ConfidenceThreshold is built)
+        keep, width = ConfidenceThreshold(threshold).cut_chain(d.confidence)
+        assert torch.equal(keep, expected("greedy_cut")[:, j]) and width == int(keep.max()) + 1 <= B + 1, threshold
+
+
 def test_drafting_from_slots_1_to_B_minus_1_is_detected(drafter):
     """specforge 0.2.0's spec_generate drafts from slots 1..B-1 with the anchor as slot 1's predecessor,
     although its training makes slot 0 predict the token after the anchor. The comparison catches it."""
@@ -207,13 +262,14 @@ def test_dspark_greedy_matches_target(arch, policy):
     drafter = tiny_dspark(model)
     target = Target(model, drafter.config.target_layer_ids)
     prompts = [[1, 2, 3], list(range(5, 17)), [7]]
-    speculation = Policy(synthetic_costs(0.02, 0.2), 4) if policy == "auto" else None
+    override = Policy(synthetic_costs(0.02, 0.2), 4) if policy == "auto" else None
     for max_batch in (None, 2):
         results = sd.generate(target, drafter, prompts, method="dspark", max_new_tokens=20, max_batch=max_batch,
-                              policy=policy, speculation=speculation)
+                              policy=policy, policy_override=override)
         for prompt, res in zip(prompts, results):
             assert res.tokens == reference_greedy(model, prompt, 20)
             assert all(0 <= a <= 4 for a in res.accepted)  # a block of 4 slots verifies up to 4 drafts
+            assert all(a <= w - 1 for a, w in zip(res.accepted, res.widths))  # never past the drafts it kept
 
 
 def test_dspark_sampling_loop_preserves_target_distribution():
@@ -233,6 +289,49 @@ def test_dspark_sampling_loop_preserves_target_distribution():
     assert sum(sum(r.accepted) for r in results) > 0.05 * sum(len(r.accepted) for r in results)  # drafts accepted
 
 
+def confident_pair():
+    """vocab 12 and a DSpark drafter whose confidence head says sigma(c_k) = 1 - sigmoid(8) after an odd token and
+    sigmoid(8) after an even one (through W1[prev]), so a threshold of 0.5 cuts a block at the first odd predecessor."""
+    from dflash2.target import Target
+    from targets import tiny_target
+
+    model = tiny_target("llama", vocab=12, seed=3)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.25)
+    drafter = tiny_dspark(model, block_size=3)
+    with torch.no_grad():
+        w1 = drafter.markov_head.markov_w1.weight
+        w1.zero_()
+        w1[:, 0] = torch.tensor([1.0 if t % 2 == 0 else -1.0 for t in range(12)])
+        proj = drafter.confidence_head.proj
+        proj.weight.zero_()
+        proj.bias.zero_()
+        proj.weight[0, drafter.config.hidden_size] = 8.0  # the first W1 input
+    return model, Target(model, drafter.config.target_layer_ids), drafter
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_dspark_threshold_cut_keeps_the_target_distribution(monkeypatch, planted):
+    """Monte Carlo through generate at T = 1 with DeepSpec's cut (dspark_threshold): rows are cut at different
+    slots, and the law of two tokens is the target's. Negative control: the head fed [d_1 .. d_B] instead of
+    [anchor, d_1 .. d_{B-1}], so the cut reads the draft it cuts; the same check finds the law off."""
+    from dflash2 import proposers
+    from test_spec_decode import _loop_tv
+
+    model, target, drafter = confident_pair()
+    if planted:
+        monkeypatch.setattr(proposers, "walk_prev_ids", lambda anchor, drafts: drafts)
+    results = []
+    tv, bound = _loop_tv(model, target, drafter, "dspark", rows=20000, n=2, results_out=results, dspark_threshold=0.5)
+    if planted:
+        assert tv > 2 * bound, (tv, bound)
+        return
+    assert tv < bound, (tv, bound)
+    widths = [w for r in results for w in r.widths]
+    assert min(widths.count(w) for w in (1, 2, 3, 4)) > 0.05 * len(widths)  # every cut happens
+    assert all(a <= w - 1 for r in results for a, w in zip(r.accepted, r.widths))
+
+
 def test_dspark_runs_from_the_command_line_and_its_trace_replays(tmp_path, capsys):
     import dflash2_ref
     from test_cli import GOLDEN
@@ -246,7 +345,7 @@ def test_dspark_runs_from_the_command_line_and_its_trace_replays(tmp_path, capsy
     assert dflash2_ref.main(argv + ["--baseline", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["identical"] is True and report["method"] == "dspark"
-    for sampled in ([], ["--temperature", "0.8", "--seed", "3"]):
+    for sampled in ([], ["--temperature", "0.8", "--seed", "3"], ["--temperature", "0.8", "--dspark-threshold", "0.5"]):
         assert dflash2_ref.main(argv + sampled + ["--trace", str(tmp_path / "t.jsonl"), "--json"]) == 0
         capsys.readouterr()
         assert dflash2_ref.main(["--check-trace", str(tmp_path / "t.jsonl")]) == 0

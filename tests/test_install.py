@@ -55,7 +55,7 @@ def test_command_line_from_outside_the_checkout(tmp_path):
     help_ = subprocess.run([script, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert help_.returncode == 0 and "(default: 256)" in help_.stdout and "--attn-backend" in help_.stdout
     run = subprocess.run([script, "--target", str(GOLDEN / "target"), "--draft", str(GOLDEN / "draft"),
-                          "--prompt", "the time", "--max-new-tokens", "8", "--baseline", "--json"],
+                          "--prompt", "the time", "--max-new-tokens", "8", "--block-size", "4", "--baseline", "--json"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)

@@ -82,6 +82,22 @@ def test_loop_module_holds_the_loop_only():
     assert "class SlotCache" not in text and "class Target" not in text and "transformers" not in text
 
 
+def test_the_loop_knows_no_method_by_name():
+    """decode_step and decode_tree_step read as the method: no method names, no hasattr, and decode_step about 25
+    lines; every way of proposing answers proposers.py's interface instead."""
+    import inspect
+
+    from dflash2 import spec_decode
+
+    for fn in (spec_decode.decode_step, spec_decode.decode_tree_step):
+        code = inspect.getsource(fn)
+        body = code[code.index('"""', code.index('"""') + 3) + 3:]  # after the docstring
+        assert "method" not in body and "hasattr" not in body and "getattr" not in body, fn.__name__
+        assert not any(name in body for name in ("dspark", "dflash", "markov")), fn.__name__
+    body = inspect.getsource(spec_decode.decode_step).split('"""')[2]
+    assert len(body.strip().splitlines()) <= 25
+
+
 def test_modules_stay_readable():
     long = {m: n for m in MODULES if (n := len((PACKAGE / f"{m}.py").read_text().splitlines())) > MAX_LINES.get(m, 500)}
     assert not long, long

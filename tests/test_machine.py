@@ -71,6 +71,24 @@ def bf16_pair(tmp_path_factory):
     return root / "target", root / "draft"
 
 
+def test_native_bf16_probe_agrees_with_a_trial_bf16_reorder():
+    """probe()'s native_bf16 is what oneDNN does on the CPU the suite runs on: a bf16 weight reorder and a packed
+    bf16 linear (what kernels.PackedLinear runs) succeed, and compute x W^T, exactly where it says native bf16;
+    on a CPU without bf16 kernels they raise (NO_BF16)."""
+    m = machine.probe()
+    if not m.onednn:
+        pytest.skip("this torch has no oneDNN packed linear")
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, 16, generator=g).bfloat16(), torch.randn(3, 16, generator=g).bfloat16()
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 3)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        works = torch.allclose(y.float(), x.float() @ w.float().T, atol=0.05, rtol=0.02)
+    except RuntimeError:
+        works = False
+    assert m.native_bf16 == works, f"probe says native bf16 {m.native_bf16}, a trial bf16 reorder {works}"
+
+
 def test_probe_describes_this_machine_and_overrides_nest():
     m = machine.machine()
     assert m == machine._probed() and m.cpu_capability == torch.backends.cpu.get_cpu_capability()
@@ -168,7 +186,7 @@ def test_cli_subprocess_on_an_avx2_cpu(bf16_pair):
     target_dir, draft_dir = bf16_pair
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", DFLASH2_MACHINE="native_bf16=0,cpu_capability=AVX2")
     cmd = [sys.executable, "-c", EMULATE, "--target", str(target_dir), "--draft", str(draft_dir),
-           "--prompt", "the time", "--max-new-tokens", "8", "--baseline", "--json"]
+           "--prompt", "the time", "--max-new-tokens", "8", "--block-size", "4", "--baseline", "--json"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)

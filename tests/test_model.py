@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash2.checkpoint import CheckpointError, DFlash2Config
 from dflash2.model import CandidateSelector, DFlash2Drafter, DynamicConv, dflash1_walk
-from dflash2.spec_decode import select_path
+from dflash2.proposers import select_path
 from targets import tiny_glm_config
 
 FAST = settings(max_examples=20, deadline=None)
@@ -478,7 +478,7 @@ def test_top1_selector_path_is_per_slot_argmax(b, n, V, K, seed):
     sel, h, U, anchor = selector_inputs(b, n, V, 16, 4, K, seed)
     with torch.no_grad():
         sel.top_k = 1
-        path, q, _, _ = select_path(sel, h, U, anchor, "dflash2", 0.0, None)
+        path, q, _, _ = select_path(sel, h, U, anchor, 0.0, None)
         assert torch.equal(path, U.argmax(-1))
         path_v1, q_v1 = dflash1_walk(U)
     assert torch.equal(path_v1, U.argmax(-1)) and torch.equal(q, q_v1)

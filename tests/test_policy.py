@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from dflash2 import policy as pol, spec_decode as sd, verify
+from dflash2.settings import AUTO_TREE_CAP
 from dflash2.target import Target
 from targets import ARCHS, TREE_ARCHS, reference_greedy, synthetic_costs, tiny_drafter, tiny_target
 from test_spec_decode import _loop_tv, _sampling_pair, greedy_with_margins
@@ -55,7 +56,7 @@ def test_greedy_with_the_policy_matches_target(method, data, c, n):
     cap = 32 if method == "dflash2-tree" else 8
     policy = pol.Policy(c, cap, tree=method == "dflash2-tree")
     results = sd.generate(target, drafter, prompts, method=method, max_new_tokens=n, policy="auto",
-                          max_batch=data.draw(st.sampled_from([None, 1, 2])), speculation=policy)
+                          max_batch=data.draw(st.sampled_from([None, 1, 2])), policy_override=policy)
     for prompt, res in zip(prompts, results):
         assert res.tokens == untied_greedy(model, prompt, n)
         assert len(res.widths) == res.verify_steps - 1 and all(1 <= w <= cap + 1 for w in res.widths)
@@ -67,12 +68,12 @@ def test_drafting_that_does_not_pay_turns_into_plain_steps_and_back():
     model, target, drafter = pair("llama")
     prompts = [[1, 2, 3], [9, 8, 7, 6]]
     dear = sd.generate(target, drafter, prompts, max_new_tokens=40, policy="auto",
-                       speculation=pol.Policy(costs(0.05, 4.0), 8))
+                       policy_override=pol.Policy(costs(0.05, 4.0), 8))
     for prompt, res in zip(prompts, dear):
         assert res.tokens == reference_greedy(model, prompt, 40)
         assert res.widths.count(1) > len(res.widths) / 2 and max(res.widths) > 1
     cheap = sd.generate(target, drafter, prompts, max_new_tokens=40, policy="auto",
-                        speculation=pol.Policy(costs(0.0, 0.0), 8))
+                        policy_override=pol.Policy(costs(0.0, 0.0), 8))
     for r in cheap:  # every step the whole block, or what is left of the request's budget
         emitted = [1 + sum(a + 1 for a in r.accepted[:i]) for i in range(len(r.accepted))]
         assert r.widths == [min(8, 41 - e) for e in emitted]
@@ -83,18 +84,16 @@ def plain_runs(policy, accepted):
     `accepted`. Returns the lengths of the plain runs between drafted steps."""
     runs, plain, told = [], 0, iter(accepted)
     while True:
-        policy.begin([0], [0])
-        if not policy.drafts([True]):
+        if not policy.begin([0], [0], [True]):
             plain += 1
-            policy.end([True], [0], False)
+            policy.end([True], [0], False, 1)
             continue
         runs.append(plain)
         plain = 0
         n = next(told, None)
         if n is None:
             return runs[1:]
-        policy.widths = [n + 1]
-        policy.end([True], [n], True)
+        policy.end([True], [n], True, n + 1)
 
 
 def test_failed_tries_double_the_wait_and_a_paying_try_halves_it():
@@ -116,12 +115,11 @@ def test_the_batch_verifies_one_width_capped_by_each_rows_budget():
     c = costs(0.12, 0.2)
     policy = pol.Policy(c, 8)
     conf = torch.tensor([[0.9] * 4 + [0.1, 0.9, 0.9], [0.05] + [0.9] * 6, [0.9] * 7])
-    policy.begin([0, 1, 2], [1, 1, 1])
-    assert policy.drafts([True, True, False])
+    assert policy.begin([0, 1, 2], [1, 1, 1], [True, True, False])
     keep, width = policy.cut_chain(conf, torch.tensor([7, 1, 7]))
     threshold = 2 / c.V(1, 3) * 1.3 * (c.V(2, 3) - c.V(1, 3))  # 0.755: slot 2 expects 0.81, slot 3 0.729
     assert [0.9 ** k + 0.05 * (k == 1) >= threshold for k in (1, 2, 3)] == [True, True, False]
-    assert width == 3 and keep.tolist() == [2, 1, 0] and policy.widths == [3, 2, 1]
+    assert width == 3 and keep.tolist() == [2, 1, 0]
 
 
 # --- the batch's width maximises its objective ---
@@ -183,7 +181,7 @@ def test_the_batch_width_maximises_the_objective(convex, data):
     n = data.draw(st.integers(1, 12))
     policy = Recording(c, 8)
     results = sd.generate(target, drafter, prompts, max_new_tokens=n, max_batch=data.draw(st.sampled_from([None, 2])),
-                          speculation=policy)
+                          policy_override=policy)
     for prompt, res in zip(prompts, results):
         assert res.tokens == untied_greedy(model, prompt, n)
     for conf, allowed, rho, width in policy.cuts:
@@ -199,10 +197,11 @@ def test_the_batch_width_maximises_the_objective(convex, data):
 # --- sampled: the chain's cut is a stopping rule ---
 
 
-def cut_law(P, Q, vocab, n, verified):
-    """{emitted tokens: probability} of one chain step whose draft d at slot k + 1 is verified only when
-    verified(prefix, d) (prefix: the k drafts before it, all accepted on this branch); an unverified draft ends
-    the block and the target's own token follows. The acceptance and residual helpers are verify_sampled's."""
+def cut_law(P, Q, vocab, n, keep_of):
+    """{emitted tokens: probability} of one chain step: the walk draws a whole block d_1..d_n from Q, the cut sees
+    the whole block (as the loop's cut sees every slot's confidence) and keep_of(block) says how many of its drafts
+    are verified; those go through verify_sampled's rule (its acceptance and residual helpers), and after an
+    accepted run the target's own token follows."""
     index = {prefix: row for row, prefix in enumerate(all_prefixes(vocab, n))}
     alpha = verify.acceptance_probability(P[: len(Q)], Q).tolist()
     residual = verify.residual_distribution(P[: len(Q)], Q).tolist()
@@ -212,35 +211,36 @@ def cut_law(P, Q, vocab, n, verified):
     def add(seq, mass):
         law[seq] = law.get(seq, 0.0) + mass
 
-    def walk(prefix, reach):
-        row = index[prefix]
-        for d in range(vocab) if len(prefix) < n else ():
-            if q[row][d] == 0:
-                continue
-            if not verified(prefix, d):
-                for t in range(vocab):
-                    add(prefix + (t,), reach * q[row][d] * p[row][t])
-                continue
+    for block in itertools.product(range(vocab), repeat=n):
+        reach = math.prod(q[index[block[:j]]][block[j]] for j in range(n))
+        if reach == 0:
+            continue
+        keep = keep_of(block)
+        for k in range(keep):
+            row, d = index[block[:k]], block[k]
             for t in range(vocab):
-                add(prefix + (t,), reach * q[row][d] * (1 - alpha[row][d]) * residual[row][t])
-            walk(prefix + (d,), reach * q[row][d] * alpha[row][d])
-        if len(prefix) == n:
-            for t in range(vocab):
-                add(prefix + (t,), reach * p[row][t])
-
-    walk((), 1.0)
+                add(block[:k] + (t,), reach * (1 - alpha[row][d]) * residual[row][t])
+            reach *= alpha[row][d]
+        for t in range(vocab):
+            add(block[:keep] + (t,), reach * p[index[block[:keep]]][t])
     return law
 
 
-def policy_rule(Q, vocab, n, rho, c):
-    """The policy's chain_width for one row on the toy: c_k = the largest probability of q(. | d_1..d_{k-1})."""
+def confidences(Q, vocab, n, block):
+    """The full vector c_1..c_n of a block: c_k = the largest probability of q(. | d_1..d_{k-1})."""
     index = {prefix: row for row, prefix in enumerate(all_prefixes(vocab, n))}
+    return torch.tensor([[float(Q[index[block[:k]]].max()) for k in range(n)]])
 
-    def verified(prefix, d):  # d is not read: a stopping rule
-        conf = torch.tensor([[float(Q[index[prefix[:j]]].max()) for j in range(len(prefix) + 1)]])
-        return pol.chain_width(conf, torch.tensor([n]), rho, c) == len(prefix) + 2
 
-    return verified
+def policy_rule(Q, vocab, n, rho, c, shift=0):
+    """The policy's chain_width on the toy (one row), given every slot's confidence; shift=1 (planted) judges slot k by
+    c_{k+1}, which reads d_k."""
+    def keep_of(block):
+        conf = confidences(Q, vocab, n, block)
+        conf = torch.cat([conf[:, shift:], torch.ones(1, shift)], 1)
+        return pol.chain_width(conf, torch.tensor([n]), rho, c) - 1
+
+    return keep_of
 
 
 @settings(deadline=None, max_examples=80, suppress_health_check=[HealthCheck.too_slow])
@@ -253,16 +253,39 @@ def test_the_chain_cut_is_a_stopping_rule_that_keeps_the_target_law(cfg, rho, c)
     assert max_error_against_target(law, P, vocab, n) < 1e-9
 
 
+@settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=toy_settings.filter(lambda c: c["n"] >= 2 and c["walk"] == "sampled"), at=st.floats(0.05, 0.95))
+def test_a_cut_between_the_confidences_keeps_the_target_law(cfg, at):
+    """The rate put between two values slot 2's confidence takes (so whether d_2 is verified depends on d_1, as a
+    stopping rule may): the law stays exact. A rule that judged a slot by a later slot's confidence, which reads
+    the draft it judges, fails here."""
+    P, Q, _ = build_toy(cfg)
+    vocab, n = cfg["vocab"], cfg["n"]
+    index = {prefix: row for row, prefix in enumerate(all_prefixes(vocab, n))}
+    c1, seen = float(Q[0].max()), sorted({float(Q[index[(d,)]].max()) for d in range(vocab) if Q[0, d] > 0})
+    assume(len(seen) > 1 and seen[-1] - seen[0] > 1e-3)
+    t = seen[0] + at * (seen[-1] - seen[0])
+    law = cut_law(P, Q, vocab, n, policy_rule(Q, vocab, n, c1 * t, costs(1.0, 0.0)))
+    assert max_error_against_target(law, P, vocab, n) < 1e-9
+
+
 def test_a_cut_that_reads_the_draft_is_caught():
-    """Planted: verify d_k only if q_k(d_k) >= 0.4, a rule that looks at the draft itself (SPEC §10). The same
-    exact check that passes the stopping rule finds the output off the target's law (by 0.16 here)."""
+    """Planted: verify d_k only if q_k(d_k) >= 0.3, a rule that looks at the draft itself (SPEC §10); and the
+    policy's rule shifted one slot, judging d_k by c_{k+1} (which reads d_k). The same exact check that passes the
+    stopping rule finds both off the target's law."""
     cfg = dict(vocab=4, n=2, temperature=1.0, top_k=0, top_p=1.0, walk="sampled", support=4, seed=4)
     P, Q, _ = build_toy(cfg)
     index = {prefix: row for row, prefix in enumerate(all_prefixes(4, 2))}
-    biased = cut_law(P, Q, 4, 2, lambda prefix, d: float(Q[index[prefix], d]) >= 0.3)
-    assert max_error_against_target(biased, P, 4, 2) > 0.1
+
+    def biased(block):
+        ok = [float(Q[index[block[:k]], block[k]]) >= 0.3 for k in range(2)]
+        return (ok + [False]).index(False)
+
+    assert max_error_against_target(cut_law(P, Q, 4, 2, biased), P, 4, 2) > 0.1
     fair = cut_law(P, Q, 4, 2, policy_rule(Q, 4, 2, 1.0, costs(0.3, 0.5)))
     assert max_error_against_target(fair, P, 4, 2) < 1e-9
+    shifted = cut_law(P, Q, 4, 2, policy_rule(Q, 4, 2, 1.0, costs(0.5, 0.5), shift=1))
+    assert max_error_against_target(shifted, P, 4, 2) > 0.01
 
 
 def batch_laws(toys, vocab, n, width_of):
@@ -347,7 +370,7 @@ def test_sampling_loop_with_the_policy_preserves_target_distribution():
     results = []
     steep = pol.Costs([1], [[1.0, 1.01, 1.4, 1.8]], [0.1], [0.1])  # b rows cost b times one: slots 2, 3 cost 0.4 each
     tv, bound = _loop_tv(model, target, drafter, "dflash2", rows=30000, n=3, policy="auto",
-                         speculation=pol.Policy(steep, 4), results_out=results)
+                         policy_override=pol.Policy(steep, 4), results_out=results)
     assert tv < bound, (tv, bound)
     widths = {w for r in results for w in r.widths}
     assert min(widths) < 4 and max(widths) > 1, widths
@@ -358,8 +381,8 @@ def test_sampling_loop_with_the_policy_preserves_target_distribution():
 
 def test_measured_costs_are_sane():
     model, target, drafter = pair("llama")
-    c = sd.measure_costs(target, drafter, reps=1)
-    assert c.batches == list(pol.COST_BATCHES) and c.V(1, 1) == 1.0 and len(c.verify[0]) == sd.AUTO_TREE_CAP + 1
+    c = pol.measure_costs(target, drafter, reps=1)
+    assert c.batches == list(pol.COST_BATCHES) and c.V(1, 1) == 1.0 and len(c.verify[0]) == AUTO_TREE_CAP + 1
     assert all(c.V(w, b) <= c.V(w + 1, b) and c.V(w, b) <= c.V(w, 2 * b) for b in c.batches for w in range(1, 33))
     assert 0 < c.D(1) <= c.D(32) and 0 < c.D(1, tree=True)
     assert c.key == pol.cost_key(target, drafter) and c.ms_per_token > 0
@@ -486,12 +509,10 @@ def test_expected_tokens_of_a_tree_count_its_best_nodes():
         scores = torch.log(torch.tensor([[0.9, 0.5, 0.1, 1.0]]))
 
     policy = pol.Policy(costs(0.0, 0.0), 4, tree=True)
-    policy.begin([0], [1])
-    policy.drafts([True])
+    policy.begin([0], [1], [True])
     assert policy.cut_tree(Tree) == 4  # flat costs: the largest budget allowed
     policy = pol.Policy(pol.Costs([1], [[1, 1.5, 2.0, 2.5, 3.0, 3.5]], [0.1], [0.1]), 4, tree=True)
-    policy.begin([0], [1])
-    policy.drafts([True])
+    policy.begin([0], [1], [True])
     rate = {b: (1 + [0.9, 1.4, 1.5, 1.5][b - 1]) / (0.1 + 1 + 0.5 * b) for b in (2, 4)}
     assert policy.cut_tree(Tree) == max(rate, key=rate.get)
     assert math.isclose(rate[2], 2.4 / 2.1)

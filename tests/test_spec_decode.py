@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from dflash2 import spec_decode as sd, verify
+from dflash2 import proposers, spec_decode as sd, verify
 from dflash2.target import Target
 from targets import ARCHS, reference_greedy, tiny_drafter, tiny_target
 
@@ -167,15 +167,19 @@ def uncached_draft(model, target, drafter, tokens, size):
     return kv, h, drafter.draft_logits(h, target.lm_head_weight)
 
 
-@pytest.mark.parametrize("temperature, static", [(0.0, False), (0.0, True), (0.7, False)])
-def test_drafter_state_equals_an_uncached_recomputation(monkeypatch, temperature, static):
-    """At every step of a ragged multi-step run of the golden pair (a fitted drafter, so drafts are
+@pytest.mark.parametrize("temperature, static, policy", [(0.0, False, None), (0.0, True, None), (0.7, False, None),
+                                                         (0.0, False, "costly drafts")])
+def test_drafter_state_equals_an_uncached_recomputation(monkeypatch, temperature, static, policy):
+    """At every drafted step of a ragged multi-step run of the golden pair (a fitted drafter, so drafts are
     accepted): each row's committed tokens end in its anchor at its position; its context K/V in
     slots 0..pos-1 equal context_kv of features recomputed without any cache; its h and draft logits
     equal a drafter pass over that recomputed context; and the greedy walk's drafts equal the walk
     over the recomputed scores. Bugs that keep greedy output lossless (a context row one slot late,
-    a context mask off by one) fail here, not only in the golden traces."""
+    a context mask off by one) fail here, not only in the golden traces. Under the auto policy with costly
+    drafts (injected costs) runs of plain steps come between drafted ones: their one-token context writes are
+    deferred and projected together by the next draft, which must see them all, each at its position."""
     from dflash2.pair import load_pair
+    from dflash2.policy import Costs, Policy
 
     pair_ = load_pair(str(GOLDEN / "target"), str(GOLDEN / "draft"), "cpu", torch.float32)
     model, target, drafter = pair_.target.model, pair_.target, pair_.drafter
@@ -184,7 +188,7 @@ def test_drafter_state_equals_an_uncached_recomputation(monkeypatch, temperature
     n = 20
     emitted = {req: [] for req in range(len(prompts))}
     calls, checked = [], []
-    real_draft, signature = sd.draft, inspect.signature(sd.draft)
+    real_draft, signature = proposers.draft, inspect.signature(proposers.draft)
 
     def spy(*args, **kwargs):
         h, U = real_draft(*args, **kwargs)
@@ -193,8 +197,13 @@ def test_drafter_state_equals_an_uncached_recomputation(monkeypatch, temperature
         calls.append(dict(bound.arguments, h=h, U=U))
         return h, U
 
+    plain = []
+
     def trace(rec):  # called after the step's draft and verify, before its bookkeeping
-        call = calls[-1]
+        if not calls:  # a plain step: no draft, its context write deferred
+            plain.append(len(rec["requests"]))
+            return
+        call = calls.pop()
         ctx, B, sizes = call["ctx"], call["block_size"], call.get("sizes")
         for r, req in enumerate(rec["requests"]):
             if len(emitted[req]) >= n:  # a finished row kept in place by a static run
@@ -214,12 +223,16 @@ def test_drafter_state_equals_an_uncached_recomputation(monkeypatch, temperature
                 assert rec["drafts"][r, : size - 1].tolist() == path[0].tolist()
             checked.append((req, pos))
 
-    monkeypatch.setattr(sd, "draft", spy)
+    monkeypatch.setattr(proposers, "draft", spy)
+    override = None if policy is None else Policy(synthetic_costs(0.05, 4.0), 8)
     results = sd.generate(target, drafter, prompts, max_new_tokens=n, temperature=temperature, top_p=0.9,
                           seed=5, static=static, trace=trace, on_emit=lambda req, toks: emitted[req].extend(toks),
-                          policy="fixed")
+                          policy="auto" if policy else "fixed", policy_override=override)
     assert all(len(r.tokens) == n for r in results)
-    assert len(checked) == sum(len(r.accepted) for r in results)
+    assert len(checked) + sum(plain) == sum(len(r.accepted) for r in results)
+    if policy is not None:  # plain runs, and drafted steps after them that read their deferred writes
+        assert sum(plain) > len(checked) > len(prompts)
+        assert any(w[i] == 1 and w[i + 1] > 1 for r in results for w in [r.widths] for i in range(len(w) - 1))
     if temperature == 0:
         assert sum(sum(r.accepted) for r in results) >= 10  # accepted prefixes were bookkept too
 

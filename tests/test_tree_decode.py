@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from dflash2 import spec_decode as sd
+from dflash2 import proposers, spec_decode as sd
 from dflash2.target import SlotCache, Target
 from dflash2.settings import InputError
 from targets import TREE_ARCHS, reference_greedy, tiny_drafter, tiny_target
@@ -233,7 +233,7 @@ def test_tree_context_holds_exactly_the_accepted_nodes(monkeypatch, mutant):
         monkeypatch.setattr(sd, "commit_path", _context_of_node_order)
     prompts = GOLDEN_PROMPTS
     n, emitted, calls, mismatches, checked = 20, {r: [] for r in range(len(prompts))}, [], [], []
-    real_draft = sd.draft
+    real_draft = proposers.draft
 
     def spy(drafter_, target_, ctx, anchor, pos, ctx_len, block_size, sizes=None):
         calls.append(dict(ctx=ctx, pos=pos, block_size=block_size, sizes=sizes))
@@ -253,7 +253,7 @@ def test_tree_context_holds_exactly_the_accepted_nodes(monkeypatch, mutant):
             same = same and torch.allclose(call["U"][r, : size - 1], U[0], atol=1e-4, rtol=1e-4)
             (checked if same else mismatches).append((req, pos))
 
-    monkeypatch.setattr(sd, "draft", spy)
+    monkeypatch.setattr(proposers, "draft", spy)
     results = sd.generate(target, drafter, prompts, method="dflash2-tree", max_new_tokens=n, tree_budget=12,
                           trace=trace, on_emit=lambda req, toks: emitted[req].extend(toks))
     assert sum(sum(r.accepted) for r in results) > 0  # paths were accepted, so the context had nodes to hold
