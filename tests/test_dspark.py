@@ -163,7 +163,7 @@ def test_the_loops_confidence_cut_matches_deepspec(drafter):
     for j, threshold in enumerate(META["thresholds"]):
         if threshold == 0:
             continue  # the cut off: every draft verified (no ConfidenceThreshold is built)
-        keep, width = ConfidenceThreshold(threshold).cut_chain(d.confidence)
+        keep, width = ConfidenceThreshold(threshold).cut_chain(d.confidence, torch.full((len(d.tokens),), B - 1))
         assert torch.equal(keep, expected("greedy_cut")[:, j]) and width == int(keep.max()) + 1 <= B + 1, threshold
 
 
