@@ -305,12 +305,6 @@ def attribute_writes(source):
     return found
 
 
-# Reproductions cited by docs/PORTS.md that run only beside a peer's own source tree (SGLang, vLLM, DeepSpec), which
-# CI does not fetch: they have no smoke test here yet, and deepspec_dflash2_compare.py patches our walk's draws (to
-# be settled with PORTS.md: a tested tool through public hooks, or gone).
-NEEDS_A_PEERS_SOURCE = {"docs/deepspec_dflash2_compare.py", "docs/serving_config_check.py", "docs/sglang_sampling_check.py"}
-
-
 def test_docs_scripts_are_tested_tools_that_use_public_hooks():
     """Every script under docs/ is run by a test (named outside a comment in tests/), and none patches the package's
     modules."""
@@ -318,9 +312,8 @@ def test_docs_scripts_are_tested_tools_that_use_public_hooks():
                       for line in p.read_text(encoding="utf-8").splitlines())
     for script in docs_scripts():
         rel = script.relative_to(ROOT).as_posix()
-        assert f'"{script.name}"' in tests or rel in tests or rel in NEEDS_A_PEERS_SOURCE, \
-            f"{rel} has no smoke test in tests/"
-        if script.suffix == ".py" and rel not in NEEDS_A_PEERS_SOURCE:
+        assert f'"{script.name}"' in tests or rel in tests, f"{rel} has no smoke test in tests/"
+        if script.suffix == ".py":
             writes = attribute_writes(script.read_text(encoding="utf-8"))
             assert not writes, f"{rel} assigns to a dflash2 module's attribute: {writes}"
 

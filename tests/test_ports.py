@@ -648,7 +648,7 @@ def test_full_end_blocks_trimmed_at_the_budget_keep_the_greedy_tokens_and_verify
 
 # --- the serving engines' sampled verification (read in their wheels, docs/PORTS.md), planted ---
 # SGLang 0.5.23 and vLLM 0.33.0 verify in Triton and CUDA, so their rules are ported here in a few lines each
-# (docs/sglang_sampling_check.py runs SGLang's kernels themselves in Triton's interpreter). Each port is planted
+# (docs/PORTS.md cites the script that ran SGLang's kernels themselves in Triton's interpreter). Each port is planted
 # into verify.py, and the check that names it is run on the reference (it passes) and on the port (it fails).
 
 OUR_PROCESS_LOGITS = verify.process_logits  # the ports below call it; the tests monkeypatch the module's name
@@ -817,7 +817,7 @@ def sglang_final_draw(weights, coin, block=4096):
     weights >= 0 [V]: pass 1 sets norm to the sum of the block sums (tl.sum); pass 2 scans each block
     (tl.cumsum) and returns the first token whose running total exceeds coin * norm, else token V - 1. A
     pairwise tree stands in for tl.sum and a left-to-right scan for tl.cumsum, float32 throughout (Triton
-    fixes neither order; they are the orders its interpreter uses, docs/sglang_sampling_check.py)."""
+    fixes neither order; they are the orders its interpreter uses, docs/PORTS.md's kernel script)."""
     def tree_sum(x):
         while len(x) > 1:
             x = torch.nn.functional.pad(x, (0, len(x) % 2))
