@@ -66,9 +66,10 @@ def build_parser():
                    help="at T > 0: sample each draft from the selector's law (the authors' walk), or take its argmax "
                         "with a one-hot q (vLLM's default proposal; also lossless)")
     p.add_argument("--block-size", type=auto_or_int, default="auto",
-                   help="anchor + drafts per step, 2..the drafter's; auto: each step verifies the drafts the drafter's "
-                        "law expects accepted where this machine's measured costs say they pay, up to the drafter's "
-                        "block, or decodes plainly when drafting does not pay (policy.py)")
+                   help="anchor + drafts per step, 2..the drafter's (a number fixes every step); auto, the default "
+                        "here, in generate and in the bench: each step verifies the drafts the drafter's law expects "
+                        "accepted where this machine's measured costs say they pay, up to the drafter's block, or "
+                        "decodes plainly when drafting does not pay (policy.py)")
     p.add_argument("--dspark-threshold", type=float, default=0.0,
                    help="--method dspark: verify each row's drafts before the first slot whose confidence head says "
                         "sigma(c_k) < X (DeepSpec's cut; 0 = off, its default); the block is then fixed")

@@ -30,7 +30,7 @@ from .kernels import check_attn_backend, prepack_linears
 from .dspark import DSparkDrafter
 from .model import DFlash2Drafter
 from .pair import load_target, stop_token_ids
-from .policy import COST_WIDTHS
+from .policy import COST_BATCHES, COST_WIDTHS
 from .prompts import ALL_TASKS, TASKS, encode_prompt, format_prompt, load_tasks
 from .settings import DEFAULT_DRAFT, DEFAULT_DSPARK_DRAFT, METHODS, TREE_SCORES, DecodeSettings, HelpFormatter
 from .results import Result, mean_tau, width_shares
@@ -433,7 +433,8 @@ def build_parser():
                          "--protocol)")
     ap.add_argument("--protocol", action="store_true",
                     help="the model card's protocol: --methods ar,dflash2,dspark on the six tasks (the card's five and "
-                         "chat-heldout) at --concurrency 1,8,32, greedy and at T = 1 / top-p 0.95, in one run")
+                         "chat-heldout) at --concurrency (1,8,32 by default), greedy and at T = 1 / top-p 0.95, in one "
+                         "run")
     ap.add_argument("--no-prepack", action="store_true",
                     help="CPU: keep aten's linears instead of oneDNN with pre-packed weights")
     ap.add_argument("--profile", action="store_true",
@@ -473,7 +474,7 @@ def check_args(args):
     if args.alternate < 0 or (args.alternate and not args.compile):
         raise SystemExit("--alternate N needs N >= 1 and --compile (it alternates eager and compiled runs)")
     if args.protocol:
-        args.tasks, args.methods, args.concurrency = list(SIX_TASKS), ["ar", "dflash2", "dspark"], [1, 8, 32]
+        args.tasks, args.methods = list(SIX_TASKS), ["ar", "dflash2", "dspark"]
     args.samplings = CARD_SAMPLINGS if args.protocol else [[args.temperature, args.top_p]]
     if args.rounds is None:
         args.rounds = 2 if args.protocol else 1
@@ -549,7 +550,9 @@ def costs_record(costs):
     """A policy.Costs as the results JSON keeps it (report.costs_lines prints it)."""
     return dict(verify={w: round(costs.V(w), 3) for w in COST_WIDTHS}, draft=round(costs.draft, 3),
                 draft_tree=round(costs.draft_tree, 3), one_token_forward_ms=round(costs.ms_per_token, 2),
-                steady=costs.steady)
+                steady=costs.steady,
+                batches={b: dict(verify={w: round(costs.V(w, b), 3) for w in (1, 2, 4, 8)}, draft=round(costs.D(b), 3))
+                         for b in COST_BATCHES if b > 1})
 
 
 def warm_up(run, args):

@@ -120,7 +120,8 @@ def write_reference_trace(path, prompts, target=None, draft=None, max_new_tokens
     drafter = load_reference_drafter(pair.draft_dir).to(device)
     block_size = block_size or drafter.block_size
     stop_ids = stop_token_ids(pair.target.model, pair.tokenizer)
-    settings = DecodeSettings(method="dflash2", max_new_tokens=max_new_tokens, stop_ids=stop_ids, block_size=block_size)
+    settings = DecodeSettings(method="dflash2", max_new_tokens=max_new_tokens, stop_ids=stop_ids, block_size=block_size,
+                              policy="fixed")  # the authors' loop verifies whole blocks
     records = [dict(config_record(pair, prompts, settings), producer=PRODUCER)]
     results = []
     for request, prompt in enumerate(prompts):

@@ -1,25 +1,35 @@
-"""The speculation policy: how wide each step's verify forward is, from what this machine pays for a width
-and what the drafter expects to be accepted. Never slower than plain decoding, and lossless.
+"""The speculation policy: how wide each step's verify forward is, from what this machine pays for a forward of
+b rows by w tokens and what the drafter expects to be accepted. Never slower than plain decoding, and lossless.
+It is the default everywhere (generate, the CLI, the bench: policy="auto"); policy="fixed" verifies whole blocks.
 
-Costs: a verify forward over w tokens costs V(w), and a draft (drafter + selector) costs D, both measured
-once per machine, target and dtype (measure_costs, cached on disk) in units of a one-token forward V(1).
+Costs, in units of V(1, 1) (one row, one token), measured once per machine, target and dtype (measure_costs,
+cached on disk): V(w, b) one verify forward of b rows by w tokens, D(b) one draft of b rows (the chain's, or
+the tree's). In a batch the forward is as wide as its widest row and costs what its b * w tokens cost, not what
+w tokens cost; the rows share that cost (SPEC §10 "Batches").
 
-Each step, for each row:
-1. Draft or not (before drafting, from earlier steps only): a row drafts while its drafted steps have
-   made more tokens per unit cost than plain decoding does (1 per V(1)); after a drafted step that did
-   not pay, it decodes plainly for 2, 4, 8, ... (at most 64) steps before it tries again. A try is judged
-   mostly on its own: the rate it updates starts from at least TRY_RATE. Each drafted step after which the
-   rate still pays halves the wait (down to 2), so one lucky try after many failures does not make tries
-   frequent again at once.
-2. How far (after drafting): the chain verifies draft k while the selector's law expects it accepted
-   with a probability worth its extra cost: c_1 * .. * c_k >= rho * (V(k + 1) - V(k)), with c_j the
-   law's largest probability at slot j (given draft j-1: never draft j itself) and rho the row's rate so
-   far. The first slot that fails ends the block. The decision to verify d_k reads d_1..d_{k-1} and the
-   laws only: a stopping rule, lossless at every temperature (SPEC §10). A tree takes the node budget
-   with the most expected tokens per unit cost, sum of exp(path score) over its nodes; a tree is fixed
-   before the target's draws, so any budget is lossless (SPEC §9).
-In a batch each row is cut on its own and the forward is as wide as the widest row (a tree's budget is
-the batch's: the one the row that wants the most nodes chooses).
+Each step, for the batch of b rows in the forward (finished rows leave it; continuous batching admits new ones):
+1. Draft or not (before drafting, from earlier steps only). Each row keeps its rate: the tokens it made on
+   drafted steps per unit cost, in units of plain decoding's 1 per V(1, b) (a forgetting average). The batch
+   drafts while its live rows' mean rate is at least 1, i.e. while its drafted steps beat plain decoding's b
+   tokens per V(1, b). After a drafted step that did not pay, it decodes plainly for 2, 4, 8, ... (at most 64)
+   steps before it tries again. A try is judged mostly on its own: the rates it updates start from at least
+   TRY_RATE. Each drafted step after which the rate still pays halves the wait (down to 2).
+2. How wide (after drafting): one width W for the whole batch; every live row verifies up to W - 1 drafts
+   (capped by what it may still make): a row's slots cost the same filled with drafts or with padding. The
+   draft is paid by then, so a step is worth E(W) - rho * V(W, b), where E(W) = sum over live rows of
+   1 + sum_{k < W} c_1 * .. * c_k (the tokens the law expects), c_k the law's largest probability at slot k
+   (given draft k-1: never draft k itself), and rho the batch's rate, tokens per unit cost (plain decoding's
+   b / V(1, b) at least): by renewal reward the long-run tokens per unit cost is largest when every step
+   maximises expected tokens minus rho times its cost (Dinkelbach). Slot k widens the forward while the
+   rows' expected tokens there, sum_r c_1 .. c_k, pay for the wider forward, rho * (V(k + 1, b) - V(k, b));
+   the first slot that does not ends it. The decision to verify slot k reads every row's drafts before k
+   and the laws only: a stopping rule, lossless at every temperature (SPEC §10). It is the exact maximum of
+   E(W) - rho * V(W, b) when V(., b) is convex (E is concave: each row's products shrink), and the first local
+   maximum otherwise (a stopping rule cannot read the laws of later slots). At b = 1 this is the one-row rule
+   (rate >= 1, c_1 .. c_k >= rho * (V(k + 1) - V(k))).
+   A tree takes the node budget N with the most expected tokens per unit cost over the batch, sum over live
+   rows of (1 + the sum of exp(path score) over its best N nodes), against D_tree(b) + V(N + 1, b); a tree is
+   fixed before the target's draws, so any budget is lossless (SPEC §9).
 """
 import bisect
 import functools
@@ -37,8 +47,14 @@ from .settings import AUTO_TREE_CAP, cache_dir
 from .target import text_config
 from .verify import Sampling
 
-COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)  # measured; the rest interpolated
+COST_BATCHES = (1, 2, 4, 8, 16, 32)  # rows measured (the model card's concurrencies 1, 8, 32 and between); the rest
+# interpolated, in proportion to b past 32
+COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)  # tokens per row measured; the rest interpolated
+COST_BATCH_WIDTHS = (1, 2, 4, 8)  # past one row, the widths measured of these up to COST_TOKENS tokens in all
+COST_TOKENS = 32  # (at least the first two): a batch verifies a few drafts per row at most, and past a few dozen
+# tokens a forward's cost grows about linearly (straight on); this keeps a first measurement to a few seconds
 COST_CONTEXT = 256  # context length the costs are measured at
+COST_FORMAT = 2  # in the cost key: a cache of another format is measured again, never misread
 TREE_BUDGETS = (2, 4, 6, 8, 12, 16, 24, 32)  # the auto tree's choices (and its cap)
 TRY_RATE = 0.9  # a try after a plain run resumes drafting if it makes >= 1.23 tokens per unit cost (forget 0.7)
 STEADY = 0.25  # two measurements of the costs agree when each cost differs by at most this share (of 1 for drafts):
@@ -46,39 +62,87 @@ STEADY = 0.25  # two measurements of the costs agree when each cost differs by a
 MAX_PASSES = 3  # measurements of the costs before giving up on two that agree
 
 
+def cost_widths(b, max_width):
+    """The widths measured at b rows: COST_WIDTHS up to max_width at one row, else those of COST_BATCH_WIDTHS of at
+    most COST_TOKENS tokens in all (always the first two)."""
+    if b == 1:
+        return [w for w in COST_WIDTHS if w <= max_width]
+    return [w for i, w in enumerate(COST_BATCH_WIDTHS) if w <= max_width and (i < 2 or b * w <= COST_TOKENS)]
+
+
 @dataclass
 class Costs:
-    """V(w) for w = 1..len(verify), D for the chain's and the tree's draft, in units of V(1)."""
+    """V(w, b) for w = 1..n at the measured batch sizes, and D(b), in units of V(1, 1): piecewise linear in b
+    between the measured batch sizes, and past the largest in proportion to b (as many rows again cost as much
+    again once a forward is compute-bound; it keeps V monotone in w and b); at a width past n, V(n, b)."""
 
-    verify: list  # verify[w - 1] = V(w) / V(1)
-    draft: float
-    draft_tree: float
+    batches: list  # the measured batch sizes, ascending
+    verify: list  # verify[i][w - 1] = V(w, batches[i]), w = 1..n
+    drafts: list  # drafts[i] = D(batches[i]), the chain's draft (DSpark's: its walk and confidences)
+    tree_drafts: list  # the tree's draft at the largest budget
     key: str = ""
-    ms_per_token: float = 0.0  # V(1) in ms, for --profile
+    ms_per_token: float = 0.0  # V(1, 1) in ms, for --profile
     steady: bool = True  # False: no two measurements agreed (a busy machine); used for one process, never cached
 
-    def V(self, w):
-        return self.verify[min(w, len(self.verify)) - 1]
+    def V(self, w, b=1):
+        """One verify forward of b rows by w tokens."""
+        w = min(w, len(self.verify[0]))
+        return self.at_batch([v[w - 1] for v in self.verify], b)
+
+    def D(self, b=1, tree=False):
+        """One draft of b rows (tree: the tree's)."""
+        return self.at_batch(self.tree_drafts if tree else self.drafts, b)
+
+    def at_batch(self, values, b):
+        """A cost at b rows from its values at the measured batch sizes."""
+        last = self.batches[-1]
+        return values[-1] * b / last if b > last else piecewise(dict(zip(self.batches, values)), b)
+
+    @property
+    def draft(self):
+        """One row's draft, D(1) (the costs line)."""
+        return self.D(1)
+
+    @property
+    def draft_tree(self):
+        """One row's tree draft (the costs line)."""
+        return self.D(1, tree=True)
+
+
+def piecewise(points, x):
+    """The piecewise linear function through {x: y} at x, straight on past the first and the last point."""
+    xs = sorted(points)
+    if x in points or len(xs) == 1:
+        return points.get(x, points[xs[0]])
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)  # the segment [xs[i - 1], xs[i]]
+    a, b = xs[i - 1], xs[i]
+    return points[a] + (points[b] - points[a]) * (x - a) / (b - a)
 
 
 def interpolate(points, n):
     """[V(1) .. V(n)]: piecewise linear through the measured {width: cost}, straight on past the last point."""
-    ws = sorted(points)
+    return [piecewise(points, w) for w in range(1, n + 1)]
 
-    def at(w):
-        i = min(max(bisect.bisect_left(ws, w), 1), len(ws) - 1)  # the segment [ws[i - 1], ws[i]]
-        a, b = ws[i - 1], ws[i]
-        return points[a] + (points[b] - points[a]) * (w - a) / (b - a)
 
-    return [points[w] if w in points else at(w) for w in range(1, n + 1)]
+def grid_costs(verify, drafts, tree_drafts, n, key="", ms_per_token=0.0):
+    """Costs from measurements: verify {b: {w: V(w, b)}}, drafts and tree_drafts {b: D(b)}. Each b's widths are
+    interpolated to 1..n; then costs never fall with more tokens or more rows (a running maximum over w, then
+    over b): a timing below its neighbour's is noise, and a cheaper wider forward would invite waste."""
+    batches = sorted(verify)
+    rows, prev = [], [0.0] * n
+    for b in batches:
+        prev = [max(p, v) for p, v in zip(prev, itertools.accumulate(interpolate(verify[b], n), max))]
+        rows.append(prev)
+    return Costs(batches, rows, list(itertools.accumulate((drafts[b] for b in batches), max)),
+                 list(itertools.accumulate((tree_drafts[b] for b in batches), max)), key, ms_per_token)
 
 
 def cost_key(target, drafter):
-    """What the costs depend on: machine, threads, device, target and drafter shapes and dtypes."""
+    """What the costs depend on: their format, machine, threads, device, target and drafter shapes and dtypes."""
     tc = text_config(target.model.config)
-    parts = [machine().describe(), f"threads {torch.get_num_threads()}", str(target.device), type(target.model).__name__,
-             f"{tc.hidden_size}x{tc.num_hidden_layers} v{target.vocab_size}", str(target.lm_head_weight.dtype),
-             f"packed {target.prepacked}"]
+    parts = [f"costs v{COST_FORMAT}", machine().describe(), f"threads {torch.get_num_threads()}", str(target.device),
+             type(target.model).__name__, f"{tc.hidden_size}x{tc.num_hidden_layers} v{target.vocab_size}",
+             str(target.lm_head_weight.dtype), f"packed {target.prepacked}"]
     if drafter is not None:
         dc = drafter.config
         parts += [f"{type(drafter).__name__} {dc.hidden_size}x{dc.num_hidden_layers} B{dc.block_size} "
@@ -92,9 +156,10 @@ _MEMO = {}
 
 def costs_for(target, drafter, measure, cache_file=None):
     """This machine's costs for the pair: from memory, else from the cache file, else measured (measure(target,
-    drafter) is measure_costs, 1-3 s) and stored. A busy machine times some widths in a quiet moment
-    and others not: measured costs are stored only when two measurements in a row agree (steady); otherwise
-    (MAX_PASSES without) their median serves this process, marked unsteady, and the next process measures again."""
+    drafter) is measure_costs, a few seconds) and stored. A busy machine times some widths in a quiet
+    moment and others not: measured costs are stored only when two measurements in a row agree (steady);
+    otherwise (MAX_PASSES without) their median serves this process, marked unsteady, and the next process
+    measures again."""
     key = cost_key(target, drafter)
     if key in _MEMO:
         return _MEMO[key]
@@ -105,9 +170,13 @@ def costs_for(target, drafter, measure, cache_file=None):
             stored = json.loads(cache_file.read_text())
         except (OSError, json.JSONDecodeError):
             stored = {}
+    costs = None
     if digest in stored and stored[digest].get("key") == key:
-        costs = Costs(**stored[digest])
-    else:
+        try:
+            costs = Costs(**stored[digest])
+        except TypeError:  # a hand-edited entry: measure again
+            costs = None
+    if costs is None:
         costs = measure_steadily(target, drafter, measure)
         if cache_file is not None and costs.steady:
             stored[digest] = costs.__dict__
@@ -121,9 +190,10 @@ def costs_for(target, drafter, measure, cache_file=None):
 
 
 def agree(a, b):
-    """Whether two measurements of the costs agree: every V(w) within STEADY of the larger, the drafts within
-    STEADY of one plain step (a draft costs a fraction of one)."""
-    pairs = [(a.V(w), b.V(w)) for w in COST_WIDTHS] + [(a.draft, b.draft), (a.draft_tree, b.draft_tree)]
+    """Whether two measurements of the costs agree: at every measured batch size, every V(w, b) within STEADY of
+    the larger, the drafts within STEADY of the larger or of one plain step (a draft may cost a fraction of one)."""
+    pairs = [(a.V(w, n), b.V(w, n)) for n in a.batches for w in COST_WIDTHS]
+    pairs += [(a.D(n, tree), b.D(n, tree)) for n in a.batches for tree in (False, True)]
     return all(abs(x - y) <= STEADY * max(x, y, 1.0) for x, y in pairs)
 
 
@@ -133,8 +203,10 @@ def combine(passes, steady):
         xs = sorted(xs)
         return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
-    return Costs([mid(v) for v in zip(*(c.verify for c in passes))], mid([c.draft for c in passes]),
-                 mid([c.draft_tree for c in passes]), passes[-1].key, mid([c.ms_per_token for c in passes]), steady)
+    verify = [[mid(v) for v in zip(*rows)] for rows in zip(*(c.verify for c in passes))]
+    return Costs(passes[-1].batches, verify, [mid(d) for d in zip(*(c.drafts for c in passes))],
+                 [mid(d) for d in zip(*(c.tree_drafts for c in passes))], passes[-1].key,
+                 mid([c.ms_per_token for c in passes]), steady)
 
 
 def measure_steadily(target, drafter, measure):
@@ -150,13 +222,10 @@ def measure_steadily(target, drafter, measure):
 
 @dataclass
 class RequestState:
-    """One request's history, on the host: its rate on drafted steps (tokens per unit cost, an average that
-    forgets), and how many plain steps it takes before it drafts again."""
+    """One request's history, on the host: its rate on drafted steps (tokens per unit cost in units of plain
+    decoding's 1 per V(1, b), an average that forgets)."""
 
-    rate: float = 1.3  # a new request drafts first, and stops after two steps that do not pay
-    plain_left: int = 0
-    backoff: int = 2
-    after_plain: bool = False  # the next drafted step is a try after a plain run
+    rate: float = 1.3  # a new request counts as paying, so a batch of new requests drafts first
 
 
 class Policy:
@@ -168,52 +237,78 @@ class Policy:
         self.costs, self.cap, self.tree, self.forget = costs, cap, tree, forget
         self.state = {}  # request -> RequestState
         self.rows = []  # the states of this step's rows
+        self.alive = []  # which of this step's rows decode (begin)
+        self.plain_left, self.backoff = 0, 2  # plain steps before the batch tries drafting again, and the next wait
+        self.after_plain = False  # the next drafted step is a try after a plain run
 
     def begin(self, requests, steps, alive):
-        """Step 1, from earlier steps only: whether the drafter runs this step (some live row wants it)."""
+        """Step 1, from earlier steps only: whether the drafter runs this step (the batch is not waiting out a
+        plain run after drafting did not pay)."""
         self.rows = [self.state.setdefault(r, RequestState()) for r in requests]
-        return any(a and s.plain_left == 0 for a, s in zip(alive, self.rows))
+        self.alive = list(alive)
+        return any(alive) and self.plain_left == 0
 
-    def cut_chain(self, conf):
-        """Step 2 of a chain: conf [b, n] the law's largest probability per slot. Returns the drafts each row
-        verifies [b] and the forward's width, the widest row's block (host)."""
-        rho = torch.tensor([max(1.0, s.rate) for s in self.rows], device=conf.device)
-        keep = chain_keep(conf, rho, self.costs)
-        return keep, int(keep.max()) + 1  # the host sync of the decision
+    def rate(self):
+        """The batch's rate: its live rows' mean rate, in units of plain decoding's (module docstring, step 1)."""
+        live = [s.rate for s, a in zip(self.rows, self.alive) if a]
+        return sum(live) / max(len(live), 1)
+
+    def rho(self):
+        """The batch's tokens per unit cost that a wider forward must beat: plain decoding's, b_live / V(1, b),
+        or its drafted steps' when higher."""
+        b = len(self.alive)
+        return sum(self.alive) / self.costs.V(1, b) * max(1.0, self.rate())
+
+    def cut_chain(self, conf, allowed):
+        """Step 2 of a chain: conf [b, n] the law's largest probability per slot, allowed [b] the drafts each row
+        may still verify. Returns the drafts each row verifies [b] and the forward's width W (host)."""
+        allowed = allowed * torch.tensor(self.alive, device=allowed.device)
+        width = chain_width(conf, allowed, self.rho(), self.costs)  # the host sync of the decision
+        return allowed.clamp(max=width - 1), width
 
     def cut_tree(self, tree):
         """Step 2 of a tree: the budget among TREE_BUDGETS (up to the cap) with the most expected tokens per
-        unit cost, 1 + sum of exp(path score) over the budget's best nodes, for the row that wants the most."""
+        unit cost over the batch's live rows, 1 + sum of exp(path score) over each row's best nodes."""
         mass = torch.where(tree.valid, tree.scores.float().exp(), 0.0).sort(-1, descending=True).values.cumsum(-1)
-        budgets = [b for b in TREE_BUDGETS if b <= min(self.cap, mass.shape[1])] or [mass.shape[1]]
-        rate = torch.stack([(1 + mass[:, b - 1]) / (self.costs.draft_tree + self.costs.V(b + 1)) for b in budgets], 1)
-        return budgets[int(rate.argmax(-1).max())]
+        mass = mass[torch.tensor(self.alive, device=mass.device)]
+        b, live = len(self.alive), sum(self.alive)
+        budgets = [n for n in TREE_BUDGETS if n <= min(self.cap, mass.shape[1])] or [mass.shape[1]]
+        rate = [(live + float(mass[:, n - 1].sum())) / (self.costs.D(b, tree=True) + self.costs.V(n + 1, b))
+                for n in budgets]
+        return budgets[rate.index(max(rate))]
 
     def end(self, alive, accepted, drafted, width):
-        """After a step: each live row's tokens (accepted + 1) for what the step cost, a draft and a verify
-        forward `width` tokens wide."""
-        cost = (self.costs.draft_tree if self.tree else self.costs.draft) + self.costs.V(width)
+        """After a step: each live row's tokens (accepted + 1) for what the step cost (a draft and a verify forward
+        of b rows by `width` tokens), in plain steps' worth; then whether the batch decodes plainly for a while
+        (module docstring, step 1)."""
+        if not drafted:
+            self.plain_left, self.after_plain = max(0, self.plain_left - 1), True
+            return
+        b = len(alive)
+        cost = (self.costs.D(b, self.tree) + self.costs.V(width, b)) / self.costs.V(1, b)
         for s, a, n in zip(self.rows, alive, accepted):
-            if not a:
-                continue
-            if not drafted:
-                s.plain_left, s.after_plain = max(0, s.plain_left - 1), True
-                continue
-            if s.after_plain:  # the plain run paid for the failures before it: a try starts from at least TRY_RATE
-                s.rate, s.after_plain = max(s.rate, TRY_RATE), False
-            s.rate = self.forget * s.rate + (1 - self.forget) * (n + 1) / cost
-            if s.rate < 1.0:  # drafting did not pay: plain steps, twice as many each time it fails again
-                s.plain_left, s.backoff = s.backoff, min(2 * s.backoff, 64)
-            else:
-                s.backoff = max(2, s.backoff // 2)
+            if a:
+                if self.after_plain:  # the plain run paid for the failures before it: a try starts from TRY_RATE
+                    s.rate = max(s.rate, TRY_RATE)
+                s.rate = self.forget * s.rate + (1 - self.forget) * (n + 1) / cost
+        self.after_plain = False
+        if self.rate() < 1.0:  # drafting did not pay: plain steps, twice as many each time it fails again
+            self.plain_left, self.backoff = self.backoff, min(2 * self.backoff, 64)
+        else:
+            self.backoff = max(2, self.backoff // 2)
 
 
-def chain_keep(conf, rho, costs):
-    """Drafts each row verifies [b]: draft k while c_1 * .. * c_k >= rho * (V(k + 1) - V(k)) holds for every
-    slot up to k. conf [b, n] (c_k reads the drafts before slot k only), rho [b] the rows' rates."""
-    n = conf.shape[1]
-    verify = torch.tensor([costs.V(w) for w in range(1, n + 2)], device=conf.device)
-    return (conf.float().cumprod(-1) >= rho[:, None] * (verify[1:] - verify[:-1])).long().cumprod(-1).sum(-1)
+def chain_width(conf, allowed, rho, costs):
+    """The batch's verify width W (anchor included): slot k is verified while, for every slot j up to k, the
+    rows that may verify slot j expect sum_r c_1 .. c_j tokens there, at least rho * (V(j + 1, b) - V(j, b)).
+    conf [b, n]: c_k reads the drafts before slot k only (a stopping rule); allowed [b] the drafts each row may
+    verify (0 for a row that does not decode); b the rows in the forward."""
+    b, n = conf.shape
+    verify = torch.tensor([costs.V(w, b) for w in range(1, n + 2)], device=conf.device)
+    slots = torch.arange(1, n + 1, device=conf.device)
+    expected = torch.where(slots <= allowed[:, None], conf.float().cumprod(-1), 0.0).sum(0)
+    widen = (expected >= rho * (verify[1:] - verify[:-1])) & (slots <= allowed.max())
+    return 1 + int(widen.long().cumprod(0).sum())
 
 
 class ConfidenceThreshold:
@@ -227,7 +322,7 @@ class ConfidenceThreshold:
     def begin(self, requests, steps, alive):
         return True
 
-    def cut_chain(self, conf):
+    def cut_chain(self, conf, allowed):
         keep = (conf >= self.threshold).long().cumprod(-1).sum(-1)
         return keep, int(keep.max()) + 1
 
@@ -246,7 +341,7 @@ class ReplayPolicy:
         self.widths = [self.recorded.get((r, s), 1) for r, s in zip(requests, steps)]
         return max(self.widths) > 1
 
-    def cut_chain(self, conf):
+    def cut_chain(self, conf, allowed):
         return torch.tensor(self.widths, device=conf.device) - 1, max(self.widths)
 
     def cut_tree(self, tree):
@@ -281,34 +376,62 @@ def machine_costs(target, drafter):
 
 @torch.inference_mode()
 def measure_costs(target, drafter, max_width=AUTO_TREE_CAP + 1, reps=3):
-    """This machine's Costs: a verify forward at COST_WIDTHS over a COST_CONTEXT-token context, and one draft of
-    the drafter's proposer (proposers.drafter_proposer: its walk and confidences, and for a drafter that makes
-    trees a tree at the largest budget), each timed as the loop runs it."""
+    """This machine's Costs: a verify forward of b rows by w tokens over a COST_CONTEXT-token context at
+    COST_BATCHES rows and cost_widths(b) tokens, and at each b one draft of the drafter's proposer
+    (proposers.drafter_proposer: its walk and confidences; for a drafter that makes trees, a tree at the largest
+    budget, timed at one row and scaled to b rows as the chain's draft), each timed as the loop runs it. The b
+    rows are copies of one prefilled row."""
     device, ctx, W = target.device, COST_CONTEXT, max_width
     ids = torch.randint(target.vocab_size, (1, ctx), generator=torch.Generator().manual_seed(0)).to(device)
     positions = torch.arange(ctx, device=device)[None]
     cache = target.new_cache(ctx + W + 2)
     logits, feats = target.forward(ids, positions, cache, ctx)
-    widths = [x for x in COST_WIDTHS if x <= W]
-    calls = {w: functools.partial(target.forward, torch.zeros(1, w, dtype=torch.long, device=device),
-                                  ctx + torch.arange(w, device=device)[None], cache, ctx + W) for w in widths}
-    seconds = {w: float("inf") for w in widths}
-    for i in range(reps):  # rounds over every width, so that a busy moment slows all widths alike
-        for w in widths:
-            seconds[w] = min(seconds[w], _best_time(calls[w], 1, warm=i == 0))
-    one = seconds[1]
-    draft_cost = tree_cost = 0.0
+    proposer = context = None
     if drafter is not None:
         proposer = drafter_proposer(target, drafter)
         context = proposer.context(1, ctx + W + 2, device, defer=True)
         context.write(feats, positions)
-        anchor, pos = logits[:, -1].argmax(-1), torch.tensor([ctx], device=device)
-        sizes = torch.full_like(pos, proposer.width)
-        sampling = Sampling(0.0, 0, 1.0, torch.Generator(device=device))
-        draft_cost = tree_cost = _best_time(
-            lambda: proposer.draft(context, anchor, pos, sizes, ctx, sampling).confidence, reps) / one
-        if proposer.trees:
-            tree_cost = _best_time(lambda: proposer.tree(context, anchor, pos, sizes, ctx, "selector")(TREE_BUDGETS[-1]),
-                                   reps) / one
-    verify = list(itertools.accumulate(interpolate({w: t / one for w, t in seconds.items()}, W), max))  # never cheaper wider
-    return Costs(verify, draft_cost, tree_cost, cost_key(target, drafter), one * 1000)
+    anchor = logits[:, -1].argmax(-1)
+    seconds, drafts, tree = {}, {b: 0.0 for b in COST_BATCHES}, 0.0
+    rows = 1
+    for b in sorted(COST_BATCHES, reverse=True):  # b copies of the row, then each smaller b a prefix of them
+        index = torch.zeros(b, dtype=torch.long, device=device) if b > rows else torch.arange(b, device=device)
+        cache.select_rows(index)
+        if context is not None:
+            context.select_rows(index)
+        rows = b
+        seconds[b] = time_verify(target, cache, b, cost_widths(b, W), ctx, W, reps)
+        if proposer is not None:
+            drafts[b], tree_b = time_draft(proposer, context, anchor.expand(b), ctx, reps, tree=b == 1)
+            tree = tree_b if b == 1 else tree
+    one = seconds[1][1]
+    verify = {b: {w: t / one for w, t in by_width.items()} for b, by_width in seconds.items()}
+    trees = {b: tree / one * (drafts[b] / drafts[1] if drafts[1] else 1.0) for b in COST_BATCHES}
+    return grid_costs(verify, {b: t / one for b, t in drafts.items()}, trees, W, cost_key(target, drafter), one * 1000)
+
+
+def time_verify(target, cache, b, widths, ctx, max_width, reps):
+    """{w: seconds} of a verify forward of b rows by w tokens at positions ctx.. (the fastest of reps rounds over
+    every width, so that a busy moment slows all widths alike)."""
+    device = target.device
+    calls = {w: functools.partial(target.forward, torch.zeros(b, w, dtype=torch.long, device=device),
+                                  (ctx + torch.arange(w, device=device))[None].expand(b, w), cache, ctx + max_width)
+             for w in widths}
+    seconds = {w: float("inf") for w in widths}
+    for i in range(reps):
+        for w in widths:
+            seconds[w] = min(seconds[w], _best_time(calls[w], 1, warm=i == 0))
+    return seconds
+
+
+def time_draft(proposer, context, anchor, ctx, reps, tree=True):
+    """Seconds of one draft of anchor's b rows at position ctx: (its walk and confidences, and a tree at the
+    largest budget when tree and the proposer makes trees, else the walk's time again)."""
+    pos = torch.full_like(anchor, ctx)
+    sizes = torch.full_like(pos, proposer.width)
+    sampling = Sampling(0.0, 0, 1.0, torch.Generator(device=anchor.device))
+    chain = _best_time(lambda: proposer.draft(context, anchor, pos, sizes, ctx, sampling).confidence, reps)
+    if not (tree and proposer.trees):
+        return chain, chain
+    return chain, _best_time(lambda: proposer.tree(context, anchor, pos, sizes, ctx, "selector")(TREE_BUDGETS[-1]),
+                             reps)

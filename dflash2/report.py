@@ -39,6 +39,8 @@ def costs_lines(config):
     return machine + [(f"{name} " if name else "") + "costs (units of a one-token forward): verify "
             + ", ".join(f"V({w}) {v}" for w, v in c["verify"].items())
             + f"; draft {c['draft']}, tree draft {c['draft_tree']}; V(1) = {c['one_token_forward_ms']} ms"
+            + "".join(f"; {b} rows: " + ", ".join(f"V({w}) {v}" for w, v in at["verify"].items()) + f", draft {at['draft']}"
+                      for b, at in (c.get("batches") or {}).items())
             + ("" if c.get("steady", True) else " (UNSTEADY: no two measurements agreed; not cached)")
             for name, c in named.items()]
 

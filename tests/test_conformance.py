@@ -188,7 +188,7 @@ def test_agrees_with_the_authors_implementation(config_dict, seed, ctx_len, prom
     stops = [] if stop is None else [stop]
     emitted = []
     (res,) = sd.generate(Target(target, taps), ours, [prompt], max_new_tokens=max_new_tokens, stop_ids=stops,
-                         on_emit=lambda request, tokens: emitted.append(len(tokens)))
+                         on_emit=lambda request, tokens: emitted.append(len(tokens)), policy="fixed")
     with deterministic_walks():
         stats = reference.dflash_generate(theirs, target, torch.tensor([prompt]), max_new_tokens, stops or None,
                                           return_stats=True)
@@ -269,7 +269,8 @@ def trace_of(tmp_path, name, draft, max_new_tokens=24):
 
     pair = load_pair(str(GOLDEN / "target"), str(draft), torch.device("cpu"), torch.float32)
     stops = stop_token_ids(pair.target.model, pair.tokenizer)
-    settings = DecodeSettings(max_new_tokens=max_new_tokens, stop_ids=stops, block_size=pair.drafter.config.block_size)
+    settings = DecodeSettings(max_new_tokens=max_new_tokens, stop_ids=stops, block_size=pair.drafter.config.block_size,
+                              policy="fixed")
     path = tmp_path / f"{name}.jsonl"
     run(pair, golden_prompts(), settings, trace_path=path)
     return path, [json.loads(line) for line in path.read_text().splitlines()]

@@ -163,7 +163,7 @@ def test_the_loops_confidence_cut_matches_deepspec(drafter):
     for j, threshold in enumerate(META["thresholds"]):
         if threshold == 0:
             continue  # the cut off: every draft verified (no ConfidenceThreshold is built)
-        keep, width = ConfidenceThreshold(threshold).cut_chain(d.confidence)
+        keep, width = ConfidenceThreshold(threshold).cut_chain(d.confidence, torch.full((len(d.tokens),), B - 1))
         assert torch.equal(keep, expected("greedy_cut")[:, j]) and width == int(keep.max()) + 1 <= B + 1, threshold
 
 
@@ -254,15 +254,15 @@ def tiny_dspark(target_model, block_size=4, head=True, seed=2):
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
 def test_dspark_greedy_matches_target(arch, policy):
     from dflash2 import spec_decode as sd
-    from dflash2.policy import Costs, Policy
+    from dflash2.policy import Policy
     from dflash2.target import Target
-    from targets import reference_greedy, tiny_target
+    from targets import reference_greedy, synthetic_costs, tiny_target
 
     model = tiny_target(arch)
     drafter = tiny_dspark(model)
     target = Target(model, drafter.config.target_layer_ids)
     prompts = [[1, 2, 3], list(range(5, 17)), [7]]
-    override = Policy(Costs([1 + 0.02 * w for w in range(40)], 0.2, 0.2), 4) if policy == "auto" else None
+    override = Policy(synthetic_costs(0.02, 0.2), 4) if policy == "auto" else None
     for max_batch in (None, 2):
         results = sd.generate(target, drafter, prompts, method="dspark", max_new_tokens=20, max_batch=max_batch,
                               policy=policy, policy_override=override)

@@ -117,9 +117,11 @@ def test_settings_name_the_bad_field():
 
 
 def test_settings_resolve_defaults_and_round_trip_through_a_record():
-    s = DecodeSettings(method="dflash2-tree", stop_ids=[2, 0]).resolved("cpu", 8)
+    s = DecodeSettings(method="dflash2-tree", stop_ids=[2, 0], policy="fixed").resolved("cpu", 8)
     assert (s.block_size, s.tree_budget, s.stop_ids) == (8, 8, (2, 0))
-    assert DecodeSettings(method="dflash2-tree").resolved("cuda", 8).tree_budget == 32
+    assert DecodeSettings(method="dflash2-tree", policy="fixed").resolved("cuda", 8).tree_budget == 32
+    auto = DecodeSettings(method="dflash2-tree").resolved("cpu", 8)  # the default policy chooses up to its cap
+    assert (auto.policy, auto.tree_budget) == ("auto", 32)
     assert DecodeSettings(method="ar", block_size=4).resolved("cpu", 8).block_size is None
     assert DecodeSettings.from_record(dict(s.asdict(), type="config", prompts=[[1]])) == s
 

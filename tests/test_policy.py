@@ -10,9 +10,10 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from dflash2 import policy as pol, spec_decode as sd, verify
+from dflash2.settings import AUTO_TREE_CAP
 from dflash2.target import Target
-from targets import ARCHS, TREE_ARCHS, reference_greedy, tiny_drafter, tiny_target
-from test_spec_decode import _loop_tv, _sampling_pair
+from targets import ARCHS, TREE_ARCHS, reference_greedy, synthetic_costs, tiny_drafter, tiny_target
+from test_spec_decode import _loop_tv, _sampling_pair, greedy_with_margins
 from test_verify import all_prefixes, build_toy, max_error_against_target, toy_settings
 
 _pairs = {}
@@ -27,11 +28,19 @@ def pair(arch):
 
 
 def costs(slope, draft, tree=None):
-    """Synthetic costs: V(w) = 1 + slope (w - 1), a draft of `draft` one-token forwards."""
-    return pol.Costs([1 + slope * w for w in range(40)], draft, draft if tree is None else tree)
+    """Synthetic costs: V(w, b) = 1 + slope (b w - 1), a draft of `draft` one-token forwards at every b."""
+    return synthetic_costs(slope, draft, 0.0, tree=tree)
 
 
 costs_st = st.builds(costs, st.floats(0.0, 0.6), st.floats(0.0, 3.0))
+
+
+def untied_greedy(model, prompt, n):
+    """reference_greedy's tokens, for a prompt whose continuation has no near-tie between the top two logits (an
+    exact tie, which a tiny random target can hold, is broken either way by a forward of another shape)."""
+    tokens, margins = greedy_with_margins(model, prompt, n)
+    assume(min(margins) > 1e-4)
+    return tokens
 
 
 # --- greedy: any cut is lossless ---
@@ -49,7 +58,7 @@ def test_greedy_with_the_policy_matches_target(method, data, c, n):
     results = sd.generate(target, drafter, prompts, method=method, max_new_tokens=n, policy="auto",
                           max_batch=data.draw(st.sampled_from([None, 1, 2])), policy_override=policy)
     for prompt, res in zip(prompts, results):
-        assert res.tokens == reference_greedy(model, prompt, n)
+        assert res.tokens == untied_greedy(model, prompt, n)
         assert len(res.widths) == res.verify_steps - 1 and all(1 <= w <= cap + 1 for w in res.widths)
 
 
@@ -65,7 +74,9 @@ def test_drafting_that_does_not_pay_turns_into_plain_steps_and_back():
         assert res.widths.count(1) > len(res.widths) / 2 and max(res.widths) > 1
     cheap = sd.generate(target, drafter, prompts, max_new_tokens=40, policy="auto",
                         policy_override=pol.Policy(costs(0.0, 0.0), 8))
-    assert all(set(r.widths) == {8} for r in cheap)
+    for r in cheap:  # every step the whole block, or what is left of the request's budget
+        emitted = [1 + sum(a + 1 for a in r.accepted[:i]) for i in range(len(r.accepted))]
+        assert r.widths == [min(8, 41 - e) for e in emitted]
 
 
 def plain_runs(policy, accepted):
@@ -97,13 +108,90 @@ def test_failed_tries_double_the_wait_and_a_paying_try_halves_it():
     assert runs[10:] == [64, 0, 0, 16]
 
 
-def test_each_row_is_cut_on_its_own_and_the_forward_is_the_widest():
-    model, target, drafter = pair("llama")
-    policy = pol.Policy(costs(0.1, 0.2), 8)
-    conf = torch.tensor([[0.9, 0.9, 0.9, 0.9, 0.1, 0.9, 0.9], [0.05, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]])
-    policy.begin([0, 1], [1, 1], [True, True])
-    keep, width = policy.cut_chain(conf)
-    assert keep.tolist() == [4, 0] and width == 5
+def test_the_batch_verifies_one_width_capped_by_each_rows_budget():
+    """One width for the batch: at slot k the live rows' expected tokens (row 0: 0.9^k, row 1: 0.05 at slot 1,
+    its last draft) against rho (V(k + 1, 3) - V(k, 3)), rho = 2 live rows / V(1, 3) times their rate 1.3 (new
+    requests); a row with one draft left verifies one, a row that does not decode none."""
+    c = costs(0.12, 0.2)
+    policy = pol.Policy(c, 8)
+    conf = torch.tensor([[0.9] * 4 + [0.1, 0.9, 0.9], [0.05] + [0.9] * 6, [0.9] * 7])
+    assert policy.begin([0, 1, 2], [1, 1, 1], [True, True, False])
+    keep, width = policy.cut_chain(conf, torch.tensor([7, 1, 7]))
+    threshold = 2 / c.V(1, 3) * 1.3 * (c.V(2, 3) - c.V(1, 3))  # 0.755: slot 2 expects 0.81, slot 3 0.729
+    assert [0.9 ** k + 0.05 * (k == 1) >= threshold for k in (1, 2, 3)] == [True, True, False]
+    assert width == 3 and keep.tolist() == [2, 1, 0]
+
+
+# --- the batch's width maximises its objective ---
+
+
+@st.composite
+def batch_costs(draw, convex):
+    """Drawn costs at 1, 2 and 4 rows (monotone in w and b, through policy.grid_costs); convex: V(., b) convex in w,
+    else any measured points."""
+    verify, prev = {}, None
+    for b in (1, 2, 4):
+        if convex:
+            lin, quad = draw(st.floats(0.0, 0.5)), draw(st.floats(0.0, 0.1))
+            base = 1.0 if b == 1 else prev + draw(st.floats(0.0, 1.0))
+            verify[b] = {w: base + lin * (w - 1) + quad * (w - 1) ** 2 for w in range(1, 10)}
+            if b > 1:  # at least the fewer rows' cost at every width: a running max would break convexity
+                verify[b] = {w: max(v, verify[b // 2][w]) + (verify[b // 2][w] - verify[b // 2][1]) for w, v in
+                             verify[b].items()}
+        else:
+            points = draw(st.lists(st.floats(0.0, 0.6), min_size=3, max_size=3))
+            verify[b] = {w: (1.0 if b == 1 else 1.0 + b * 0.1) + sum(points[: i + 1]) for i, w in enumerate((2, 4, 9))}
+            verify[b][1] = 1.0 if b == 1 else 1.0 + b * 0.1
+        prev = verify[b][1]
+    draft = {b: draw(st.floats(0.0, 1.5)) for b in (1, 2, 4)}
+    return pol.grid_costs(verify, draft, draft, 9)
+
+
+class Recording(pol.Policy):
+    """The policy, keeping what each chain cut saw and chose."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.cuts = []
+
+    def cut_chain(self, conf, allowed):
+        allowed_live = (allowed * torch.tensor(self.alive)).tolist()
+        keep, width = super().cut_chain(conf, allowed)
+        self.cuts.append((conf.double().tolist(), allowed_live, self.rho(), width))
+        return keep, width
+
+
+def objective(conf, allowed, rho, costs, width):
+    """E(W) - rho V(W, b) over the batch, the step's constant tokens left out: sum over rows and slots k < W that
+    the row may verify of c_1 .. c_k, less rho times the forward's cost."""
+    tokens = sum(math.prod(c[:k]) for c, a in zip(conf, allowed) for k in range(1, min(width - 1, a) + 1))
+    return tokens - rho * costs.V(width, len(conf))
+
+
+@pytest.mark.parametrize("convex", [True, False])
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_the_batch_width_maximises_the_objective(convex, data):
+    """Drawn batches under drawn V(w, b): greedy output equals the target's, and at every drafted step the chosen
+    width W maximises E(W) - rho V(W, b) over every width (enumerated) when V is convex in w; for any V it is the
+    first local maximum: no narrower width does better and the next one does not."""
+    c = data.draw(batch_costs(convex))
+    model, target, drafter = pair(data.draw(st.sampled_from(ARCHS)))
+    prompts = data.draw(st.lists(st.lists(st.integers(0, 62), min_size=1, max_size=8), min_size=1, max_size=4))
+    n = data.draw(st.integers(1, 12))
+    policy = Recording(c, 8)
+    results = sd.generate(target, drafter, prompts, max_new_tokens=n, max_batch=data.draw(st.sampled_from([None, 2])),
+                          policy_override=policy)
+    for prompt, res in zip(prompts, results):
+        assert res.tokens == untied_greedy(model, prompt, n)
+    for conf, allowed, rho, width in policy.cuts:
+        values = [objective(conf, allowed, rho, c, w) for w in range(1, 1 + max(allowed) + 1)]
+        best = values[width - 1]
+        assert all(v <= best + 1e-6 for v in values[:width]), (values, width)
+        if convex:
+            assert all(v <= best + 1e-6 for v in values), (values, width)
+        if width < len(values):
+            assert values[width] < best + 1e-6, (values, width)
 
 
 # --- sampled: the chain's cut is a stopping rule ---
@@ -145,12 +233,12 @@ def confidences(Q, vocab, n, block):
 
 
 def policy_rule(Q, vocab, n, rho, c, shift=0):
-    """The policy's chain_keep on the toy, given every slot's confidence; shift=1 (planted) judges slot k by
+    """The policy's chain_width on the toy (one row), given every slot's confidence; shift=1 (planted) judges slot k by
     c_{k+1}, which reads d_k."""
     def keep_of(block):
         conf = confidences(Q, vocab, n, block)
         conf = torch.cat([conf[:, shift:], torch.ones(1, shift)], 1)
-        return int(pol.chain_keep(conf, torch.tensor([rho]), c))
+        return pol.chain_width(conf, torch.tensor([n]), rho, c) - 1
 
     return keep_of
 
@@ -200,16 +288,92 @@ def test_a_cut_that_reads_the_draft_is_caught():
     assert max_error_against_target(shifted, P, 4, 2) > 0.01
 
 
+def batch_laws(toys, vocab, n, width_of):
+    """{emitted tokens: probability} of each row of a batch of chain steps, exactly: every row's draft chain is
+    drawn from its own Q (all combinations enumerated), width_of(chains) -> W, and every row verifies its first
+    W - 1 drafts (verify_sampled's acceptance and residual), the target's own token after them."""
+    index = {prefix: row for row, prefix in enumerate(all_prefixes(vocab, n))}
+    rows = []
+    for P, Q in toys:
+        alpha = verify.acceptance_probability(P[: len(Q)], Q).tolist()
+        rows.append((P.tolist(), Q.tolist(), alpha, verify.residual_distribution(P[: len(Q)], Q).tolist()))
+    chains = list(itertools.product(range(vocab), repeat=n))
+    laws = [{} for _ in toys]
+    for combo in itertools.product(chains, repeat=len(toys)):
+        reach = [math.prod(q[index[d[:k]]][d[k]] for k in range(n)) for (_, q, _, _), d in zip(rows, combo)]
+        if math.prod(reach) == 0:
+            continue
+        width = width_of(combo)
+        for law, (p, q, alpha, residual), d in zip(laws, rows, combo):
+            mass = math.prod(reach)
+            for k in range(width - 1):
+                a = alpha[index[d[:k]]][d[k]]
+                for t in range(vocab):
+                    law[d[:k] + (t,)] = law.get(d[:k] + (t,), 0.0) + mass * (1 - a) * residual[index[d[:k]]][t]
+                mass *= a
+            m = width - 1
+            for t in range(vocab):
+                law[d[:m] + (t,)] = law.get(d[:m] + (t,), 0.0) + mass * p[index[d[:m]]][t]
+    return laws
+
+
+def batch_rule(toys, vocab, n, rho, c):
+    """The policy's chain_width on a batch of toys: row r's c_k = the largest probability of q_r(. | its d_1..d_{k-1})."""
+    index = {prefix: row for row, prefix in enumerate(all_prefixes(vocab, n))}
+
+    def width_of(combo):
+        conf = torch.tensor([[float(Q[index[d[:k]]].max()) for k in range(n)] for (_, Q), d in zip(toys, combo)])
+        return pol.chain_width(conf, torch.full((len(toys),), n), rho, c)
+
+    return width_of
+
+
+BATCH_TOYS = [dict(vocab=3, n=2, temperature=1.0, top_k=0, top_p=1.0, walk="sampled", support=3, seed=s)
+              for s in (4, 7, 12)]
+
+
+@settings(deadline=None, max_examples=12, suppress_health_check=[HealthCheck.too_slow])
+@given(rho=st.floats(0.5, 6.0), slope=st.floats(0.0, 0.6))
+def test_the_batch_width_keeps_every_rows_law(rho, slope):
+    """T = 1, three rows whose target and draft laws differ, one width for the batch from all rows' confidences:
+    each row's output law is its target's (exact enumeration over every row's drafts)."""
+    toys = [build_toy(cfg)[:2] for cfg in BATCH_TOYS]
+    assert not torch.equal(toys[0][0], toys[1][0])
+    laws = batch_laws(toys, 3, 2, batch_rule(toys, 3, 2, rho, costs(slope, 0.2)))
+    for law, (P, _) in zip(laws, toys):
+        assert abs(sum(law.values()) - 1) < 1e-12
+        assert max_error_against_target(law, P, 3, 2) < 1e-9
+
+
+def test_a_batch_width_that_reads_a_draft_is_caught():
+    """Planted: the batch widens past slot k only while row 1's draft at slot k has q >= 0.4, a width that reads
+    a draft it verifies (SPEC §10). The same exact check that passes the policy's width finds row 1 off its law
+    (by 0.006 here), while rows 0 and 2, for which row 1's drafts are outside randomness, keep theirs."""
+    toys = [build_toy(cfg)[:2] for cfg in BATCH_TOYS]
+    index = {prefix: row for row, prefix in enumerate(all_prefixes(3, 2))}
+    fair = batch_rule(toys, 3, 2, 1.0, costs(0.0, 0.2))  # flat costs: the policy verifies every draft
+
+    def peeking(combo):
+        d = combo[1]
+        return min(fair(combo), 1 + next((k for k in range(2) if float(toys[1][1][index[d[:k]], d[k]]) < 0.4), 2))
+
+    errors = [max_error_against_target(law, P, 3, 2) for law, (P, _) in zip(batch_laws(toys, 3, 2, peeking), toys)]
+    assert errors[1] > 1e-3 and max(errors[0], errors[2]) < 1e-9, errors  # the other rows' draws do not bias row 1's
+    assert all(max_error_against_target(law, P, 3, 2) < 1e-9
+               for law, (P, _) in zip(batch_laws(toys, 3, 2, fair), toys))
+
+
 def test_sampling_loop_with_the_policy_preserves_target_distribution():
-    """Monte Carlo through the real loop, the policy cutting each row's block on its own (costs at which the
-    rows of one batch choose blocks of 2 and of 3)."""
+    """Monte Carlo through the real loop, the policy cutting the batch's blocks (costs at which some steps verify
+    the whole block of 4 and others stop short of it)."""
     model, target, drafter = _sampling_pair()
     results = []
+    steep = pol.Costs([1], [[1.0, 1.01, 1.4, 1.8]], [0.1], [0.1])  # b rows cost b times one: slots 2, 3 cost 0.4 each
     tv, bound = _loop_tv(model, target, drafter, "dflash2", rows=30000, n=3, policy="auto",
-                         policy_override=pol.Policy(costs(0.011, 0.1), 4), results_out=results)
+                         policy_override=pol.Policy(steep, 4), results_out=results)
     assert tv < bound, (tv, bound)
-    widths = [w for r in results for w in r.widths]
-    assert min(widths.count(2), widths.count(3)) > 0.1 * len(widths)  # rows of one batch cut differently
+    widths = {w for r in results for w in r.widths}
+    assert min(widths) < 4 and max(widths) > 1, widths
 
 
 # --- costs and traces ---
@@ -217,8 +381,10 @@ def test_sampling_loop_with_the_policy_preserves_target_distribution():
 
 def test_measured_costs_are_sane():
     model, target, drafter = pair("llama")
-    c = pol.measure_costs(target, drafter)
-    assert c.verify[0] == 1.0 and all(a <= b for a, b in zip(c.verify, c.verify[1:])) and c.draft > 0
+    c = pol.measure_costs(target, drafter, reps=1)
+    assert c.batches == list(pol.COST_BATCHES) and c.V(1, 1) == 1.0 and len(c.verify[0]) == AUTO_TREE_CAP + 1
+    assert all(c.V(w, b) <= c.V(w + 1, b) and c.V(w, b) <= c.V(w, 2 * b) for b in c.batches for w in range(1, 33))
+    assert 0 < c.D(1) <= c.D(32) and 0 < c.D(1, tree=True)
     assert c.key == pol.cost_key(target, drafter) and c.ms_per_token > 0
 
 
@@ -229,7 +395,7 @@ def scripted(target, drafter, *verifies):
     def measure(t, d):
         v2 = verifies[len(calls) % len(verifies)]
         calls.append(v2)
-        return pol.Costs([1.0, v2] + [v2 + 0.1] * 40, 0.3, 0.3, pol.cost_key(target, drafter), 50.0)
+        return pol.Costs([1], [[1.0, v2] + [v2 + 0.1] * 40], [0.3], [0.3], pol.cost_key(target, drafter), 50.0)
 
     return measure, calls
 
@@ -259,6 +425,51 @@ def test_unsteady_costs_serve_one_process_and_are_not_cached(tmp_path):
     pol.costs_for(target, drafter, measure, tmp_path / "costs.json")
     assert len(calls) == 2 * pol.MAX_PASSES
     pol._MEMO.clear()
+
+
+measured_grid = st.fixed_dictionaries({b: st.lists(st.floats(0.0, 3.0), min_size=4, max_size=4) for b in (1, 2, 8, 32)})
+
+
+@settings(max_examples=40, deadline=None)
+@given(grid=measured_grid, drafts=st.lists(st.floats(0.0, 2.0), min_size=4, max_size=4))
+def test_costs_interpolate_between_the_measured_points(grid, drafts):
+    """grid_costs from drawn timings at widths 1, 3, 8, 20 and 1, 2, 8, 32 rows: exact at every measured point
+    once made monotone (a running max over w, then b), monotone in w and in b everywhere, and between the
+    neighbouring measured points in b (linearly: the midpoint of 2 and 8 rows is halfway), in proportion past 32."""
+    widths = (1, 3, 8, 20)
+    verify = {b: {w: 1 + sum(v[: i + 1]) for i, w in enumerate(widths)} for b, v in grid.items()}
+    c = pol.grid_costs(verify, dict(zip(sorted(grid), drafts)), dict(zip(sorted(grid), drafts)), 24)
+    monotone = {}
+    for b in sorted(grid):
+        for w in widths:
+            monotone[b, w] = max([verify[b][w]] + [monotone[a, w] for a in sorted(grid) if a < b])
+            assert c.V(w, b) == pytest.approx(monotone[b, w])
+    for b in range(1, 40):
+        for w in range(1, 24):
+            assert c.V(w, b) <= c.V(w + 1, b) + 1e-12 and c.V(w, b) <= c.V(w, b + 1) + 1e-12
+    for lo, hi in ((1, 2), (2, 8), (8, 32)):
+        for w in range(1, 25):
+            for b in range(lo, hi + 1):
+                assert min(c.V(w, lo), c.V(w, hi)) - 1e-12 <= c.V(w, b) <= max(c.V(w, lo), c.V(w, hi)) + 1e-12
+            assert c.V(w, (lo + hi) / 2) == pytest.approx((c.V(w, lo) + c.V(w, hi)) / 2)
+    assert [c.D(b) for b in sorted(grid)] == list(itertools.accumulate(drafts, max))
+    assert c.D(5) == pytest.approx(c.D(2) + (c.D(8) - c.D(2)) / 2) and c.V(3, 64) == pytest.approx(2 * c.V(3, 32))
+
+
+def test_a_cost_cache_of_another_format_is_measured_again(tmp_path):
+    """The key names the format: an entry stored under an older format's key is never read as today's costs."""
+    model, target, drafter = pair("llama")
+    key = pol.cost_key(target, drafter)
+    assert key.startswith(f"costs v{pol.COST_FORMAT} | ")
+    old_key = key.replace(f"costs v{pol.COST_FORMAT} | ", "")
+    digest = __import__("hashlib").sha256(old_key.encode()).hexdigest()[:16]
+    (tmp_path / "costs.json").write_text(json.dumps({digest: dict(verify=[1.0, 1.1], draft=0.2, draft_tree=0.3,
+                                                                  key=old_key)}))
+    pol._MEMO.clear()
+    measure, calls = scripted(target, drafter, 1.2)
+    c = pol.costs_for(target, drafter, measure, tmp_path / "costs.json")
+    pol._MEMO.clear()
+    assert len(calls) == 2 and c.V(2) == pytest.approx(1.2) and c.key == key
 
 
 def test_agreement_of_two_measurements():
@@ -300,7 +511,7 @@ def test_expected_tokens_of_a_tree_count_its_best_nodes():
     policy = pol.Policy(costs(0.0, 0.0), 4, tree=True)
     policy.begin([0], [1], [True])
     assert policy.cut_tree(Tree) == 4  # flat costs: the largest budget allowed
-    policy = pol.Policy(pol.Costs([1, 1.5, 2.0, 2.5, 3.0, 3.5], 0.1, 0.1), 4, tree=True)
+    policy = pol.Policy(pol.Costs([1], [[1, 1.5, 2.0, 2.5, 3.0, 3.5]], [0.1], [0.1]), 4, tree=True)
     policy.begin([0], [1], [True])
     rate = {b: (1 + [0.9, 1.4, 1.5, 1.5][b - 1]) / (0.1 + 1 + 0.5 * b) for b in (2, 4)}
     assert policy.cut_tree(Tree) == max(rate, key=rate.get)

@@ -430,7 +430,7 @@ def write_trace(path, draft, on_pair=None, target=GOLDEN / "target", **settings)
     if on_pair is not None:
         on_pair(pair)
     full = DecodeSettings(max_new_tokens=12, stop_ids=stop_token_ids(pair.target.model, pair.tokenizer),
-                          block_size=pair.drafter.config.block_size)
+                          block_size=pair.drafter.config.block_size, policy="fixed")
     run(pair, golden_prompts(), dataclasses.replace(full, **settings), trace_path=path)
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 

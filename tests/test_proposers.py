@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from dflash2 import model, proposers, spec_decode as sd
 from dflash2.target import Target
 from dflash2.verify import Sampling
-from targets import tiny_drafter, tiny_target
+from targets import synthetic_costs, tiny_drafter, tiny_target
 from test_dspark import tiny_dspark
 
 _made = {}
@@ -121,7 +121,7 @@ def test_dspark_without_a_head_falls_back_to_its_walks_law():
     T = 1 given the previous draft (dspark_logits), the auto policy cuts on it, greedy output stays the target's,
     and DeepSpec's threshold, which needs the head, is refused in one line."""
     from dflash2.dspark import dspark_logits, walk_prev_ids
-    from dflash2.policy import Costs, Policy
+    from dflash2.policy import Policy
     from dflash2.settings import SettingError
     from targets import reference_greedy
 
@@ -138,7 +138,7 @@ def test_dspark_without_a_head_falls_back_to_its_walks_law():
     torch.testing.assert_close(d.confidence, law.amax(-1))
     prompts = [[1, 2, 3], list(range(5, 17))]
     results = sd.generate(target, drafter, prompts, method="dspark", max_new_tokens=16, policy="auto",
-                          policy_override=Policy(Costs([1 + 0.002 * w for w in range(40)], 0.0, 0.0), 5))
+                          policy_override=Policy(synthetic_costs(0.002, 0.0, 0.0), 5))
     for p, res in zip(prompts, results):
         assert res.tokens == reference_greedy(target.model, p, 16)
     assert {w for r in results for w in r.widths} & {2, 3, 4, 5}  # the fallback confidence cut blocks short

@@ -46,7 +46,7 @@ def test_tree_accepts_more_than_the_chain_where_candidates_hold_the_target():
     model, target, drafter = pair("llama")
     prompts = [[1, 2, 3], list(range(5, 20)), [7]]
     tree = sd.generate(target, drafter, prompts, method="dflash2-tree", max_new_tokens=20, tree_budget=64,
-                       tree_scores="marginal")
+                       tree_scores="marginal", policy="fixed")
     assert sum(sum(r.accepted) for r in tree) > 0
 
 
@@ -54,10 +54,10 @@ def test_tree_accepts_more_than_the_chain_where_candidates_hold_the_target():
 def test_tree_continuous_batching_equals_each_alone(max_batch):
     model, target, drafter = pair("llama")
     prompts = [[1, 2, 3], list(range(5, 20)), [7], [9, 9, 8, 8, 7, 7, 6]]
-    batch = sd.generate(target, drafter, prompts, method="dflash2-tree", max_new_tokens=15, tree_budget=12,
+    batch = sd.generate(target, drafter, prompts, method="dflash2-tree", policy="fixed", max_new_tokens=15, tree_budget=12,
                         max_batch=max_batch, stop_ids=[reference_greedy(model, prompts[0], 15)[6]])
     for p, res in zip(prompts, batch):
-        alone = sd.generate(target, drafter, [p], method="dflash2-tree", max_new_tokens=15, tree_budget=12,
+        alone = sd.generate(target, drafter, [p], method="dflash2-tree", policy="fixed", max_new_tokens=15, tree_budget=12,
                             stop_ids=[reference_greedy(model, prompts[0], 15)[6]])[0]
         assert res.tokens == alone.tokens and res.accepted == alone.accepted
 
@@ -67,8 +67,8 @@ def test_single_chain_tree_decodes_as_the_chain(block_size):
     """With one candidate per slot the tree is the walk's path: same tokens, same acceptance per step."""
     model, target, drafter = pair("llama", top_k=1)
     prompts = [[1, 2, 3], list(range(5, 20)), [7]]
-    chain = sd.generate(target, drafter, prompts, max_new_tokens=20, block_size=block_size)
-    tree = sd.generate(target, drafter, prompts, method="dflash2-tree", max_new_tokens=20, block_size=block_size,
+    chain = sd.generate(target, drafter, prompts, max_new_tokens=20, block_size=block_size, policy="fixed")
+    tree = sd.generate(target, drafter, prompts, method="dflash2-tree", policy="fixed", max_new_tokens=20, block_size=block_size,
                        tree_budget=block_size - 1)
     assert [(r.tokens, r.accepted) for r in tree] == [(r.tokens, r.accepted) for r in chain]
 
@@ -110,7 +110,7 @@ GOLDEN_PROMPTS = [[3, 5, 53, 7, 0, 4], [3, 32, 11, 12, 13, 34, 35, 0, 4], [3, 0,
 
 def _greedy_fails():
     model, target, drafter = golden_pair()
-    results = sd.generate(target, drafter, GOLDEN_PROMPTS, method="dflash2-tree", max_new_tokens=24, tree_budget=16)
+    results = sd.generate(target, drafter, GOLDEN_PROMPTS, method="dflash2-tree", policy="fixed", max_new_tokens=24, tree_budget=16)
     assert sum(a >= 2 for r in results for a in r.accepted) >= 4  # deep paths were accepted
     return any(r.tokens != reference_greedy(model, p, 24) for p, r in zip(GOLDEN_PROMPTS, results))
 
@@ -152,7 +152,7 @@ def _node_logits_wrong(arch="llama", steps=6, deep=None):
     wrong = []
     target.forward = spy
     try:
-        sd.generate(target, drafter, prompts, method="dflash2-tree", max_new_tokens=16, tree_budget=12,
+        sd.generate(target, drafter, prompts, method="dflash2-tree", policy="fixed", max_new_tokens=16, tree_budget=12,
                     tree_scores="marginal", trace=trace, on_emit=lambda req, toks: emitted[req].extend(toks))
     finally:
         del target.forward
@@ -254,7 +254,7 @@ def test_tree_context_holds_exactly_the_accepted_nodes(monkeypatch, mutant):
             (checked if same else mismatches).append((req, pos))
 
     monkeypatch.setattr(proposers, "draft", spy)
-    results = sd.generate(target, drafter, prompts, method="dflash2-tree", max_new_tokens=n, tree_budget=12,
+    results = sd.generate(target, drafter, prompts, method="dflash2-tree", policy="fixed", max_new_tokens=n, tree_budget=12,
                           trace=trace, on_emit=lambda req, toks: emitted[req].extend(toks))
     assert sum(sum(r.accepted) for r in results) > 0  # paths were accepted, so the context had nodes to hold
     if mutant:
