@@ -47,8 +47,9 @@ from .settings import AUTO_TREE_CAP, cache_dir
 from .target import text_config
 from .verify import Sampling
 
-COST_BATCHES = (1, 2, 4, 8, 16, 32)  # rows measured (the model card's concurrencies 1, 8, 32 and between); the rest
-# interpolated, in proportion to b past 32
+COST_BATCHES = (1, 8, 32)  # rows measured: the model card's concurrencies; between them linear in b, an upper bound
+# where a forward's cost grows convexly in its rows (flat while weight reads dominate, then linear), so the policy
+# errs toward plain steps; in proportion past 32
 COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)  # tokens per row measured; the rest interpolated
 COST_BATCH_WIDTHS = (1, 2, 4, 8)  # past one row, the widths measured of these up to COST_TOKENS tokens in all
 COST_TOKENS = 32  # (at least the first two): a batch verifies a few drafts per row at most, and past a few dozen
@@ -375,7 +376,7 @@ def machine_costs(target, drafter):
 
 
 @torch.inference_mode()
-def measure_costs(target, drafter, max_width=AUTO_TREE_CAP + 1, reps=3):
+def measure_costs(target, drafter, max_width=AUTO_TREE_CAP + 1, reps=2):
     """This machine's Costs: a verify forward of b rows by w tokens over a COST_CONTEXT-token context at
     COST_BATCHES rows and cost_widths(b) tokens, and at each b one draft of the drafter's proposer
     (proposers.drafter_proposer: its walk and confidences; for a drafter that makes trees, a tree at the largest
