@@ -31,8 +31,9 @@ def expected(name):
     return torch.stack([EXPECTED[f"case{i}.{name}"] for i in CASES])
 
 
-def block_hidden(drafter):
-    """Both fixture blocks in one batch: contexts of different lengths in one DraftContext."""
+def fixture_context(drafter):
+    """Both fixture cases' target features in one DraftContext (contexts of different lengths): the context, each
+    case's length, the longest, and the anchors."""
     lengths = torch.tensor([c["context_length"] for c in META["cases"]])
     S = int(lengths.max())
     feats = torch.zeros(len(lengths), S, EXPECTED["case0.target_hidden"].shape[-1], dtype=torch.float64)
@@ -41,6 +42,12 @@ def block_hidden(drafter):
     ctx = DraftContext(drafter, len(lengths), S, "cpu")
     ctx.write(feats, torch.arange(S).expand(len(lengths), S))
     anchors = torch.tensor([c["anchor"] for c in META["cases"]])
+    return ctx, lengths, S, anchors
+
+
+def block_hidden(drafter):
+    """Both fixture blocks in one batch: contexts of different lengths in one DraftContext."""
+    ctx, lengths, S, anchors = fixture_context(drafter)
     B = drafter.config.block_size
     embeds = drafter.embed_block(anchors, drafter.embed_tokens, B)
     h = drafter(embeds, lengths[:, None] + torch.arange(B), ctx.view(S), torch.arange(S) < lengths[:, None])
@@ -117,14 +124,7 @@ def fixture_proposal(drafter, sampling):
     DraftContext."""
     from dflash2.proposers import DSparkWalk
 
-    lengths = torch.tensor([c["context_length"] for c in META["cases"]])
-    S = int(lengths.max())
-    feats = torch.zeros(len(lengths), S, EXPECTED["case0.target_hidden"].shape[-1], dtype=torch.float64)
-    for i in CASES:
-        feats[i, : lengths[i]] = EXPECTED[f"case{i}.target_hidden"]
-    ctx = DraftContext(drafter, len(lengths), S, "cpu")
-    ctx.write(feats, torch.arange(S).expand(len(lengths), S))
-    anchors = torch.tensor([c["anchor"] for c in META["cases"]])
+    ctx, lengths, S, anchors = fixture_context(drafter)
     proposer = DSparkWalk(None, drafter, drafter.config.block_size)  # the fixture's drafter has its own tables
     return proposer.draft(ctx, anchors, lengths, None, S, sampling)
 
