@@ -233,17 +233,26 @@ def decode_main(args):
     from dflash2 import spec_decode as sd
     from dflash2.machine import emulated, machine
     from dflash2.results import width_shares
-    from dflash2.pair import DTYPES, load_pair, stop_token_ids
+    from dflash2.pair import DTYPES, load_pair, open_pair, stop_token_ids
     from dflash2.prompts import encode_prompt
+    from dflash2.proposers import proposer_kind
     from dflash2.trace import run
 
     device, dtype = torch_settings(args)
-    pair = load_pair(args.target, args.draft, device, dtype, needs_draft=args.method != "ar",
-                     draft_dtype=DTYPES[args.draft_dtype] if args.draft_dtype else None, prepack=not args.no_prepack,
-                     attn_backend=args.attn_backend)
-    if not args.json and args.draft_dtype and emulated(device, DTYPES[args.draft_dtype]):
+    draft_dtype = DTYPES[args.draft_dtype] if args.draft_dtype else None
+    # the drafter, the target's config.json and its tokenizer first: a bad drafter or a prompt too long for the
+    # target is refused before the target's weights load, the slow part of start-up
+    opened = open_pair(args.target, args.draft, needs_draft=args.method != "ar")
+    prompt = encode_prompt(opened.tokenizer, text, args.system, chat=not args.no_chat_template)
+    try:
+        early = settings_of(args).resolved(device.type, opened.draft_config and opened.draft_config.block_size)
+        sd.check_prompt_length([prompt], early, proposer_kind(early.method), opened.context_length)
+    except SettingError as e:
+        raise as_input_error(e) from e
+    pair = load_pair(device=device, dtype=dtype, draft_dtype=draft_dtype, prepack=not args.no_prepack,
+                     attn_backend=args.attn_backend, opened=opened)
+    if not args.json and args.draft_dtype and emulated(device, draft_dtype):
         print(f"note: --draft-dtype {args.draft_dtype}: {pair.draft_dtype_reason}", file=sys.stderr)
-    prompt = encode_prompt(pair.tokenizer, text, args.system, chat=not args.no_chat_template)
     settings = decode_settings(args, pair, stop_token_ids(pair.target.model, pair.tokenizer))
     try:  # every input of generate (the prompt's length too) is checked before the costs are read or measured
         sd.check_generate_args(pair.target, pair.drafter, [prompt], settings, None)

@@ -1,6 +1,7 @@
 """Kernels: attention for the drafter, each beside the plain SDPA reference it must equal; and
 pre-packed oneDNN linears for CPU."""
 import functools
+import importlib.util
 import itertools
 import weakref
 from typing import NamedTuple, Optional
@@ -114,9 +115,8 @@ def attention_backends(device=None):
     """Backends drafter_attention can run on this device, fastest last."""
     device = torch.device(device or "cpu")
     backends = ["sdpa"]
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401
-    except ImportError:
+    # found, not imported: importing it brings in torch._dynamo (most of a second), which only its use needs
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
         return backends
     backends.append("flex")
     if _has_fa4(device):

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from . import machine
-from .checkpoint import read_json, resolve_checkpoint
+from .checkpoint import DFlash2Config, read_json, resolve_checkpoint
 from .kernels import prepack_linears
-from .dspark import ARCHITECTURE as DSPARK_ARCHITECTURE, DSparkDrafter
+from .dspark import ARCHITECTURE as DSPARK_ARCHITECTURE, DSparkConfig, DSparkDrafter
 from .model import DFlash2Drafter
 from .target import Target, fix_partial_rotary, text_config
 from .settings import DEFAULT_DRAFT, DEFAULT_DSPARK_DRAFT, cache_dir, DEFAULT_TARGET, InputError, LoadError, is_hub_id, local_checkpoint, one_line
@@ -67,34 +67,97 @@ def resolve_draft(name):
         raise LoadError(f"drafter {name}: {one_line(e)}") from e
 
 
-def load_pair(target_name=None, draft_name=None, device="cpu", dtype=torch.float32, needs_draft=True,
-              draft_dtype=None, prepack=True, attn_backend=None):
-    """Load the target (+ tokenizer) and, unless decoding autoregressively, the drafter; check they fit.
+@dataclass
+class Opened:
+    """A pair checked before any weights load (open_pair): the target's config.json and tokenizer, and the
+    drafter's config.json, checked to fit the target's. load_pair(opened=...) goes on from here."""
+    target_id: str
+    target_dir: Path
+    target_config: dict  # config.json's text part (raw keys; text_config for a VL checkpoint)
+    tokenizer: object
+    draft_id: str | None
+    draft_dir: Path | None
+    draft_config: object  # checkpoint.DrafterConfig; None for autoregressive decoding
 
-    None names the embedded default pair. Raises InputError (a name that points nowhere, a drafter
-    that does not fit the target) or LoadError (files that cannot be loaded)."""
-    device = torch.device(device)
-    # Resolve both before loading either, so a missing drafter fails before the slow target load.
+    @property
+    def context_length(self):
+        """The target's max_position_embeddings, or None when its config.json does not name one."""
+        return self.target_config.get("max_position_embeddings")
+
+
+def open_pair(target_name=None, draft_name=None, needs_draft=True):
+    """Everything that can be refused before any weights load (the target's are most of a run's start-up): the
+    names, the target's config.json and tokenizer, the drafter's config.json, and whether the two fit."""
     draft_id, draft_dir = resolve_draft(draft_name) if needs_draft else (None, None)
     target_id, target_dir = resolve_target(target_name)
     try:
-        lm, tok = load_target(str(target_dir), device, dtype, prepack=prepack)
+        raw = read_json(target_dir / "config.json") if (target_dir / "config.json").exists() else {}
     except Exception as e:
         raise LoadError(f"cannot load target {target_id}: {one_line(e)}") from e
-    drafter = reason = None
+    config = dict(raw, **(raw.get("text_config") or {}))  # the text part wins
+    draft_config = None
     if needs_draft:
         try:
-            kind = DSparkDrafter if is_dspark(draft_dir) else DFlash2Drafter
-            drafter = kind.from_pretrained(draft_dir, device, draft_dtype, attn_backend)
-        except Exception as e:  # CheckpointError, bad JSON, unreadable safetensors
+            config_kind = DSparkConfig if is_dspark(draft_dir) else DFlash2Config
+            draft_config = config_kind.from_dict(read_json(draft_dir / "config.json"))
+        except Exception as e:  # bad JSON, a config the layout does not allow
             raise LoadError(f"cannot load drafter {draft_id}: {one_line(e)}") from e
+        check_fit(config, draft_config)
+    try:
+        tokenizer = load_tokenizer(target_dir)
+    except Exception as e:
+        raise LoadError(f"cannot load target {target_id}'s tokenizer: {one_line(e)}") from e
+    return Opened(target_id, target_dir, config, tokenizer, draft_id, draft_dir, draft_config)
+
+
+def check_fit(target_config, dc):
+    """The drafter against the target's config.json: it reuses the target's embedding and LM head and taps its
+    layers (a key the config does not name is checked on the loaded model instead: check_pair, Target)."""
+    hidden, vocab, layers = (target_config.get(k) for k in ("hidden_size", "vocab_size", "num_hidden_layers"))
+    if hidden is not None and dc.hidden_size != hidden:
+        raise InputError(f"drafter hidden_size {dc.hidden_size} does not match the target's {hidden}")
+    if vocab is not None and dc.vocab_size != vocab:
+        raise InputError(f"drafter vocab_size {dc.vocab_size} does not match the target's LM head ({vocab} rows)")
+    bad = [l for l in dc.target_layer_ids if layers is not None and not 0 <= l < layers]
+    if bad:
+        raise InputError(f"drafter target_layer_ids {bad} do not exist in a target with {layers} layers")
+
+
+def load_pair(target_name=None, draft_name=None, device="cpu", dtype=torch.float32, needs_draft=True,
+              draft_dtype=None, prepack=True, attn_backend=None, opened=None):
+    """Load the target (+ tokenizer) and, unless decoding autoregressively, the drafter; check they fit.
+
+    None names the embedded default pair. Raises InputError (a name that points nowhere, a drafter
+    that does not fit the target) or LoadError (files that cannot be loaded). The drafter and the target's
+    config are read first (open_pair, or `opened` from an earlier call), so a bad one fails before the slow
+    target load."""
+    device = torch.device(device)
+    opened = opened or open_pair(target_name, draft_name, needs_draft)
+    drafter = reason = None
+    if opened.draft_config is not None:
+        drafter = load_drafter(opened, device, draft_dtype, attn_backend)
+    try:
+        lm, tok = load_target(str(opened.target_dir), device, dtype, prepack=prepack, tokenizer=opened.tokenizer)
+    except Exception as e:
+        raise LoadError(f"cannot load target {opened.target_id}: {one_line(e)}") from e
+    if drafter is not None:
         check_pair(lm, drafter)
         resolved, reason = machine.draft_dtype(device, next(drafter.parameters()).dtype, draft_dtype)
         drafter = drafter.to(resolved)  # bf16 weights widen to float32 exactly; only the arithmetic changes
         if prepack:
             prepack_linears(drafter)
     target = Target(lm, drafter.config.target_layer_ids if drafter is not None else ())
-    return Pair(tok, drafter, target, target_id, target_dir, draft_id, draft_dir, dtype, device, reason)
+    return Pair(tok, drafter, target, opened.target_id, opened.target_dir, opened.draft_id, opened.draft_dir, dtype,
+                device, reason)
+
+
+def load_drafter(opened, device, draft_dtype=None, attn_backend=None):
+    """The opened drafter's weights (small: read before the target's, so a bad file fails fast)."""
+    kind = DSparkDrafter if isinstance(opened.draft_config, DSparkConfig) else DFlash2Drafter
+    try:
+        return kind.from_pretrained(opened.draft_dir, device, draft_dtype, attn_backend)
+    except Exception as e:  # CheckpointError, unreadable safetensors
+        raise LoadError(f"cannot load drafter {opened.draft_id}: {one_line(e)}") from e
 
 
 def is_dspark(draft_dir):
@@ -162,19 +225,39 @@ MINIMAX_M3_KEYS = {r"^language_model\.model\.": "model.", r"^language_model\.lm_
                    r"^model\.language_model\.": "model."}
 
 
-def load_target(name_or_path: str | None = None, device="cpu", dtype=torch.float32, prepack=True):
+def load_tokenizer(path):
+    """The target's tokenizer. A tokenizer.json whose tokenizer_config.json names the generic class is built
+    directly, as AutoTokenizer would build it, without importing the model's config (a second at start-up)."""
+    path = Path(path)
+    named = read_json(path / "tokenizer_config.json").get("tokenizer_class") \
+        if (path / "tokenizer_config.json").exists() else None
+    if named in GENERIC_TOKENIZERS and (path / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+# tokenizer_config.json's tokenizer_class values that AutoTokenizer maps to the tokenizers-library backend itself
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_target(name_or_path: str | None = None, device="cpu", dtype=torch.float32, prepack=True, tokenizer=None):
     """Return (model, tokenizer) for a transformers causal LM: a local dir, a hub id, or the default.
 
     prepack: on CPU (float32 or bfloat16), run the linears through oneDNN with weights packed once
     (kernels.prepack_linears): same results up to rounding, much faster for multi-token verify.
+    tokenizer: one already loaded (open_pair's), else load_tokenizer's.
 
     MiniMax-M3 checkpoints (model_type "minimax_m3", text or VL layout) load as transformers'
     minimax_m3_vl_text model.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = smollm2_safetensors() if name_or_path in (None, DEFAULT_TARGET) else name_or_path
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = tokenizer or load_tokenizer(path)
     raw = read_json(Path(path) / "config.json") if (Path(path) / "config.json").exists() else {}
     if raw.get("model_type") == "minimax_m3":
         from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM

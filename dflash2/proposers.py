@@ -98,6 +98,10 @@ class NoDrafts:
     def __init__(self, vocab_size):
         self.vocab_size = vocab_size
 
+    @staticmethod
+    def width_of(block_size):
+        return 1
+
     def context(self, batch, max_len, device, defer):
         return None
 
@@ -114,7 +118,12 @@ class Forced:
     drafter_type, needs, trees, confidence_head = None, "", False, False
 
     def __init__(self, propose, block_size):
-        self.propose, self.width = propose, block_size
+        self.propose, self.width = propose, self.width_of(block_size)
+
+    @staticmethod
+    def width_of(block_size):
+        """The verify forward's width over a block of block_size (check_prompt_length reads it before loading)."""
+        return block_size
 
     def context(self, batch, max_len, device, defer):
         return None
@@ -131,8 +140,10 @@ class DFlash2Walk:
     drafter_type, needs, trees, confidence_head = DFlash2Drafter, "a DFlash 2 drafter", True, False
 
     def __init__(self, target, drafter, block_size):
-        self.target, self.drafter, self.width = target, drafter, block_size
+        self.target, self.drafter, self.width = target, drafter, self.width_of(block_size)
         self.selector = drafter.candidate_selector
+
+    width_of = staticmethod(Forced.width_of)
 
     def context(self, batch, max_len, device, defer):
         return DraftContext(self.drafter, batch, max_len, device, defer)
@@ -176,8 +187,12 @@ class DSparkWalk:
     drafter_type, needs, trees = DSparkDrafter, "a DSpark drafter (DeepSpec's layout, docs/DSPARK.md)", False
 
     def __init__(self, target, drafter, block_size):
-        self.target, self.drafter, self.block_size, self.width = target, drafter, block_size, block_size + 1
+        self.target, self.drafter, self.block_size, self.width = target, drafter, block_size, self.width_of(block_size)
         self.confidence_head = drafter.confidence_head is not None  # DeepSpec's threshold cut reads it
+
+    @staticmethod
+    def width_of(block_size):
+        return block_size + 1  # every slot drafts: the anchor and B drafts
 
     def context(self, batch, max_len, device, defer):
         return DraftContext(self.drafter, batch, max_len, device, defer)

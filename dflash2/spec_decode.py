@@ -249,13 +249,22 @@ def check_generate_args(target, drafter, prompts, settings, propose):
     if s.dspark_threshold > 0 and not proposer.confidence_head:
         raise SettingError("dspark_threshold", "needs a drafter with a confidence head (DeepSpec's cut reads it); "
                                                "this one has none")
-    W = max(proposer.width, s.tree_budget + 1) if tree else proposer.width
-    longest = max(len(p) for p in prompts)
     limit = getattr(cfg, "max_position_embeddings", None)
+    W, longest = check_prompt_length(prompts, s, kind, limit)
+    return s, proposer, W, longest, limit
+
+
+def check_prompt_length(prompts, s, kind, limit):
+    """(W, longest prompt): the verify forward's width W under the resolved settings s and proposer class kind,
+    checked to fit the target's context `limit` (None: no limit known). The CLI calls it from the target's
+    config.json before the weights load; generate calls it through check_generate_args."""
+    W = kind.width_of(s.block_size or 1)
+    W = max(W, s.tree_budget + 1) if s.tree_budget is not None else W
+    longest = max(len(p) for p in prompts)
     if limit is not None and longest + s.max_new_tokens + W + 1 > limit:
         raise InputError(f"prompt too long: {longest} prompt tokens + {s.max_new_tokens} new tokens + block {W} "
                          f"exceed the target's context of {limit} positions")
-    return s, proposer, W, longest, limit
+    return W, longest
 
 
 def make_policy(s, target, drafter, proposer):

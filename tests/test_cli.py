@@ -186,6 +186,27 @@ def test_bad_inputs_exit_with_one_clear_line(capsys, tmp_path, monkeypatch):
         assert err.startswith("error: ") and err.count("\n") == 1 and phrase in err, (argv[-2:], err)
 
 
+def test_bad_inputs_are_refused_before_the_target_loads(capsys, tmp_path, monkeypatch):
+    """Start-up's slow part is the target's weights: every bad input but an unreadable drafter file is refused from
+    config.json and the tokenizer alone, and that one from the drafter's file, still before the target's."""
+    from dflash2 import pair
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded for a bad input")
+
+    monkeypatch.setattr(pair, "load_target", no_weights)
+    for argv, code, phrase in bad_inputs(tmp_path):
+        if "--target" not in argv and "--check-trace" not in argv:
+            argv = PAIR + argv if "--draft" not in argv else ["--target", str(GOLDEN / "target")] + argv
+        if "cannot load drafter" not in phrase or "not readable JSON" in phrase:
+            monkeypatch.setattr(pair, "load_drafter", no_weights)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(pair, "load_target", no_weights)
+        rc, out, err = cli(capsys, *argv)
+        assert rc == code and phrase in err, (argv[-2:], err)
+
+
 @pytest.mark.measures_costs
 def test_generate_checks_its_inputs_before_the_costs(monkeypatch):
     """generate under the policy: a prompt too long for the target is refused before any cost is read."""

@@ -261,3 +261,30 @@ def test_generated_prompts_lose_duplicates_and_evaluation_text():
     candidates = [fresh[0], fresh[0].replace("basil", "Basil") + " ", heldout[3], heldout[7].lower() + " please",
                   "Please " + mt, fresh[1], mt.upper()]
     assert filter_generated(candidates, str(root)) == fresh
+
+
+def test_the_fast_tokenizer_path_builds_what_auto_tokenizer_builds(tmp_path, monkeypatch):
+    """pair.load_tokenizer skips AutoTokenizer's config import for the generic class: the same class, the same ids
+    (chat template included); a tokenizer_config naming another class goes through AutoTokenizer."""
+    import shutil
+
+    import transformers
+
+    from dflash2.pair import GENERIC_TOKENIZERS, load_tokenizer
+
+    golden = Path(__file__).parent / "golden" / "target"
+    fast, auto = load_tokenizer(golden), transformers.AutoTokenizer.from_pretrained(golden)
+    assert json.loads((golden / "tokenizer_config.json").read_text())["tokenizer_class"] in GENERIC_TOKENIZERS
+    assert type(fast) is type(auto)
+    chat = [{"role": "user", "content": "the cat sat"}]
+    assert fast.apply_chat_template(chat, add_generation_prompt=True) == auto.apply_chat_template(chat, add_generation_prompt=True)
+    assert fast("the cat sat")["input_ids"] == auto("the cat sat")["input_ids"]
+    other = tmp_path / "other"
+    shutil.copytree(golden, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps(dict(config, tokenizer_class="GPT2TokenizerFast")))
+    calls = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: calls.append(path) or auto)
+    assert load_tokenizer(other) is auto and calls == [other]
+    load_tokenizer(golden)
+    assert calls == [other]

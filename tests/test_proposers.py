@@ -188,3 +188,16 @@ def test_every_method_has_a_proposer():
     assert set(proposers.PROPOSERS) == set(METHODS)
     assert proposers.proposer_kind("dflash2", propose=lambda a, p: None) is proposers.Forced
     assert proposers.proposer_kind("ar", propose=lambda a, p: None) is proposers.NoDrafts
+
+
+@pytest.mark.parametrize("block", [2, 5, 8])
+def test_the_width_checked_before_loading_is_the_built_proposers(block):
+    """check_prompt_length reads kind.width_of(block) before any weights load (the CLI); the proposer built later
+    verifies proposer.width tokens: the two must agree for every method's proposer."""
+    lm = tiny_target("llama")
+    target = Target(lm, (0, 1))
+    drafters = {proposers.DFlash2Walk: tiny_drafter(lm, block_size=block), proposers.DSparkWalk: tiny_dspark(lm, block)}
+    drafters[proposers.DFlash1Walk] = drafters[proposers.DFlash2Walk]
+    for kind in set(proposers.PROPOSERS.values()) | {proposers.Forced}:
+        built = proposers.make_proposer(kind, target, drafters.get(kind), block, propose=lambda a, p: None)
+        assert built.width == kind.width_of(block), kind
