@@ -8,12 +8,16 @@ the tree's). In a batch the forward is as wide as its widest row and costs what 
 w tokens cost; the rows share that cost (SPEC §10 "Batches").
 
 Each step, for the batch of b rows in the forward (finished rows leave it; continuous batching admits new ones):
-1. Draft or not (before drafting, from earlier steps only). Each row keeps its rate: the tokens it made on
-   drafted steps per unit cost, in units of plain decoding's 1 per V(1, b) (a forgetting average). The batch
-   drafts while its live rows' mean rate is at least 1, i.e. while its drafted steps beat plain decoding's b
-   tokens per V(1, b). After a drafted step that did not pay, it decodes plainly for 2, 4, 8, ... (at most 64)
-   steps before it tries again. A try is judged mostly on its own: the rates it updates start from at least
-   TRY_RATE. Each drafted step after which the rate still pays halves the wait (down to 2).
+1. Draft or not (before drafting, from earlier steps only). Never where no width could pay even if every
+   draft were accepted (W tokens a row for D(b) + V(W, b) against 1 for V(1, b): a compute-bound forward of
+   many rows). Each row keeps its rate: the tokens it made on drafted steps per unit cost, in units of plain
+   decoding's 1 per V(1, b) (a forgetting average). A batch's first drafted step sets its rows' rates on its
+   own, and a request that joins later starts from the batch's mean rate. The batch drafts while its live
+   rows' mean rate is at least 1, i.e. while its drafted steps beat plain decoding's b tokens per V(1, b).
+   After a drafted step that did not pay, it decodes plainly for 2, 4, 8, ... (at most 64) steps before it
+   tries again, and for at least as many as make that step's loss EXPLORE of them (a try costs more where
+   drafting is dear: a batch of many rows). A try is judged mostly on its own: the rates it updates start from at least TRY_RATE. Each
+   drafted step after which the rate still pays halves the wait (down to 2).
 2. How wide (after drafting): one width W for the whole batch; every live row verifies up to W - 1 drafts
    (capped by what it may still make): a row's slots cost the same filled with drafts or with padding. The
    draft is paid by then, so a step is worth E(W) - rho * V(W, b), where E(W) = sum over live rows of
@@ -36,6 +40,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import time
 from dataclasses import dataclass
 
@@ -55,12 +60,19 @@ COST_BATCH_WIDTHS = (1, 2, 4, 8)  # past one row, the widths measured of these u
 COST_TOKENS = 32  # (at least the first two): a batch verifies a few drafts per row at most, and past a few dozen
 # tokens a forward's cost grows about linearly (straight on); this keeps a first measurement to a few seconds
 COST_CONTEXT = 256  # context length the costs are measured at
-COST_FORMAT = 2  # in the cost key: a cache of another format is measured again, never misread
+COST_FORMAT = 4  # in the cost key: a cache of another format is measured again, never misread
 TREE_BUDGETS = (2, 4, 6, 8, 12, 16, 24, 32)  # the auto tree's choices (and its cap)
+DRAFT_SLACK = 1.5  # what a draft costs a step, in D's: D is timed alone at its fastest, and on this project's CPU a
+# drafted step of 8 rows took 0.3 to 0.4 plain steps longer than D(8) + V(W, 8) said, of one row 0.1 to 0.2 longer
+# than D(1) + V(W, 1): 1.4 to 1.9 D's in all, the same share at both
+EXPLORE = 0.02  # the share of steps that tries which do not pay may cost (Policy.end)
+MAX_WAIT = 64  # the most plain steps between tries
 TRY_RATE = 0.9  # a try after a plain run resumes drafting if it makes >= 1.23 tokens per unit cost (forget 0.7)
 STEADY = 0.25  # two measurements of the costs agree when each cost differs by at most this share (of 1 for drafts):
 # a quiet machine's differ by up to 0.2 (at the widest verifies), a busy one's by 0.3 to 1 (BENCHMARKS)
 MAX_PASSES = 3  # measurements of the costs before giving up on two that agree
+DRAFT_LEAST_S = 0.1  # a draft is timed until this long is spent (the fastest call counts): a draft costs a fraction of
+# a verify forward, and the fastest of two calls misjudged one by a third on a shared machine
 
 
 def cost_widths(b, max_width):
@@ -224,9 +236,10 @@ def measure_steadily(target, drafter, measure):
 @dataclass
 class RequestState:
     """One request's history, on the host: its rate on drafted steps (tokens per unit cost in units of plain
-    decoding's 1 per V(1, b), an average that forgets)."""
+    decoding's 1 per V(1, b), an average that forgets). None until the batch has drafted once: a request that
+    joins a batch which has starts from the batch's rate (Policy.begin)."""
 
-    rate: float = 1.3  # a new request counts as paying, so a batch of new requests drafts first
+    rate: float | None = None
 
 
 class Policy:
@@ -241,18 +254,39 @@ class Policy:
         self.alive = []  # which of this step's rows decode (begin)
         self.plain_left, self.backoff = 0, 2  # plain steps before the batch tries drafting again, and the next wait
         self.after_plain = False  # the next drafted step is a try after a plain run
+        self.ceiling = {}  # b -> whether a drafted step of b rows can pay at all (can_pay)
 
     def begin(self, requests, steps, alive):
-        """Step 1, from earlier steps only: whether the drafter runs this step (the batch is not waiting out a
-        plain run after drafting did not pay)."""
+        """Step 1, from earlier steps only: whether the drafter runs this step (drafting can pay at this batch size
+        at all, and the batch is not waiting out a plain run after drafting did not pay)."""
         self.rows = [self.state.setdefault(r, RequestState()) for r in requests]
         self.alive = list(alive)
-        return any(alive) and self.plain_left == 0
+        known = [s.rate for s, a in zip(self.rows, alive) if a and s.rate is not None]
+        for s in self.rows:  # a request that joins: the batch's rate so far, this drafter on this machine
+            if s.rate is None and known:
+                s.rate = sum(known) / len(known)
+        return any(alive) and self.plain_left == 0 and self.can_pay(len(alive))
+
+    def can_pay(self, b):
+        """Whether a drafted step of b rows can beat plain decoding at all: with every draft accepted, some width W
+        makes W tokens a row for D(b) + V(W, b), against 1 for V(1, b). Where the forward is compute-bound (many
+        rows on a CPU), no width can, and the batch never pays for a try."""
+        if b not in self.ceiling:
+            # the widths a step may verify (a chain's W up to its block, DSpark's block + 1; a tree's budget + 1)
+            widths = range(2, self.cap + 2) if not self.tree else [n + 1 for n in self.budgets(self.cap)]
+            best = max(w / (self.draft_cost(b) + self.costs.V(w, b)) for w in widths)
+            self.ceiling[b] = best > 1 / self.costs.V(1, b)
+        return self.ceiling[b]
+
+    def draft_cost(self, b):
+        """What drafting adds to a step of b rows: DRAFT_SLACK times D(b) (the chain's, or the tree's)."""
+        return DRAFT_SLACK * self.costs.D(b, self.tree)
 
     def rate(self):
-        """The batch's rate: its live rows' mean rate, in units of plain decoding's (module docstring, step 1)."""
-        live = [s.rate for s, a in zip(self.rows, self.alive) if a]
-        return sum(live) / max(len(live), 1)
+        """The batch's rate: its live rows' mean rate, in units of plain decoding's (module docstring, step 1); 1
+        before the batch has drafted."""
+        live = [s.rate for s, a in zip(self.rows, self.alive) if a and s.rate is not None]
+        return sum(live) / len(live) if live else 1.0
 
     def rho(self):
         """The batch's tokens per unit cost that a wider forward must beat: plain decoding's, b_live / V(1, b),
@@ -273,10 +307,15 @@ class Policy:
         mass = torch.where(tree.valid, tree.scores.float().exp(), 0.0).sort(-1, descending=True).values.cumsum(-1)
         mass = mass[torch.tensor(self.alive, device=mass.device)]
         b, live = len(self.alive), sum(self.alive)
-        budgets = [n for n in TREE_BUDGETS if n <= min(self.cap, mass.shape[1])] or [mass.shape[1]]
-        rate = [(live + float(mass[:, n - 1].sum())) / (self.costs.D(b, tree=True) + self.costs.V(n + 1, b))
+        budgets = self.budgets(min(self.cap, mass.shape[1]))
+        rate = [(live + float(mass[:, n - 1].sum())) / (self.draft_cost(b) + self.costs.V(n + 1, b))
                 for n in budgets]
         return budgets[rate.index(max(rate))]
+
+    @staticmethod
+    def budgets(most):
+        """A tree's budgets to choose from: TREE_BUDGETS up to `most`, else `most` itself."""
+        return [n for n in TREE_BUDGETS if n <= most] or [most]
 
     def end(self, alive, accepted, drafted, width):
         """After a step: each live row's tokens (accepted + 1) for what the step cost (a draft and a verify forward
@@ -286,15 +325,21 @@ class Policy:
             self.plain_left, self.after_plain = max(0, self.plain_left - 1), True
             return
         b = len(alive)
-        cost = (self.costs.D(b, self.tree) + self.costs.V(width, b)) / self.costs.V(1, b)
+        cost = (self.draft_cost(b) + self.costs.V(width, b)) / self.costs.V(1, b)
         for s, a, n in zip(self.rows, alive, accepted):
-            if a:
+            if a and s.rate is None:  # the batch's first drafted step is judged on its own
+                s.rate = (n + 1) / cost
+            elif a:
                 if self.after_plain:  # the plain run paid for the failures before it: a try starts from TRY_RATE
                     s.rate = max(s.rate, TRY_RATE)
                 s.rate = self.forget * s.rate + (1 - self.forget) * (n + 1) / cost
         self.after_plain = False
-        if self.rate() < 1.0:  # drafting did not pay: plain steps, twice as many each time it fails again
-            self.plain_left, self.backoff = self.backoff, min(2 * self.backoff, 64)
+        if self.rate() < 1.0:  # drafting did not pay: plain steps, twice as many each time it fails again, and
+            # enough that this step's loss (its cost less its tokens a row, in plain steps) is at most EXPLORE of them
+            made = [n + 1 for n, a in zip(accepted, alive) if a]
+            loss = cost - sum(made) / max(len(made), 1)
+            self.plain_left = min(max(self.backoff, math.ceil(loss / EXPLORE)), MAX_WAIT)
+            self.backoff = min(2 * self.backoff, MAX_WAIT)
         else:
             self.backoff = max(2, self.backoff // 2)
 
@@ -431,7 +476,8 @@ def time_draft(proposer, context, anchor, ctx, reps, tree=True):
     pos = torch.full_like(anchor, ctx)
     sizes = torch.full_like(pos, proposer.width)
     sampling = Sampling(0.0, 0, 1.0, torch.Generator(device=anchor.device))
-    chain = _best_time(lambda: proposer.draft(context, anchor, pos, sizes, ctx, sampling).confidence, reps)
+    chain = _best_time(lambda: proposer.draft(context, anchor, pos, sizes, ctx, sampling).confidence, reps,
+                       least_s=DRAFT_LEAST_S)
     if not (tree and proposer.trees):
         return chain, chain
     return chain, _best_time(lambda: proposer.tree(context, anchor, pos, sizes, ctx, "selector")(TREE_BUDGETS[-1]),

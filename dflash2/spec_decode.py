@@ -340,11 +340,11 @@ def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=N
             keep = book.compact()
             if keep is not None:
                 rows.select(torch.tensor(keep, device=device))
-        view_len = int(book.pos.max()) + W
-        ctx_len = view_len - W
-        if s.static:  # a handful of shapes, each compiled once; the extra slots are masked out
-            view_len = ctx_len = min(-(-view_len // VIEW_BUCKET) * VIEW_BUCKET, max_len)
         drafted = policy is None or policy.begin(book.request, book.steps(), book.alive)
+        ctx_len = int(book.pos.max())  # every slot before the furthest anchor
+        view_len = ctx_len + (W if drafted else 1)  # a plain step attends over no draft slots
+        if s.static:  # a handful of shapes, each compiled once; the extra slots are masked out
+            view_len = ctx_len = min(-(-(ctx_len + W) // VIEW_BUCKET) * VIEW_BUCKET, max_len)
         v = (step if drafted else plain)(rows=rows, view_len=view_len, ctx_len=ctx_len)
         host = torch.cat([v.widths[:, None], v.num_accepted[:, None], v.out], 1).cpu()  # the one host sync per step
         widths = host[:, 0].tolist()

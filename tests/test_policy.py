@@ -96,24 +96,35 @@ def plain_runs(policy, accepted):
         policy.end([True], [n], True, n + 1)
 
 
-def test_failed_tries_double_the_wait_and_a_paying_try_halves_it():
-    """Drafts cost 1 and a verify 1 + 0.1 (w - 1): a step that accepts nothing makes 1 token for 2, one that
-    accepts 5 makes 6 for 2.5. The waits double up to 64; each drafted step after which the rate still pays
-    halves the wait."""
-    fail, win = [0] * 9, [5]
-    runs = plain_runs(pol.Policy(costs(0.1, 1.0), 8), [0, 0] + fail + win + [0, 0])
-    assert runs[:10] == [0, 2, 4, 8, 16, 32, 64, 64, 64, 64]  # two drafted steps first: a new request starts at 1.3
+def test_failed_tries_double_the_wait_and_a_paying_try_halves_it(monkeypatch):
+    """Drafting costs a step 1 (DRAFT_SLACK D's) and a verify 1 + 0.1 (w - 1): a step that accepts nothing makes 1
+    token for 2, one that accepts 5 makes 6 for 2.5. The waits double up to 64; each drafted step after which the
+    rate still pays halves the wait. (No floor from the loss here: test_a_dear_try_waits_until_its_loss_is_a_small_share.)"""
+    monkeypatch.setattr(pol, "EXPLORE", float("inf"))
+    fail, win = [0] * 10, [5]
+    runs = plain_runs(pol.Policy(costs(0.1, 1.0 / pol.DRAFT_SLACK), 8), fail + win + [0, 0])
+    assert runs[:10] == [2, 4, 8, 16, 32, 64, 64, 64, 64, 64]  # the first drafted step is judged on its own; the
+    # last wait is the paying try's
     # the paying try (rate 0.7 * 0.9 + 0.3 * 6 / 2.5 = 1.35) and the failure after it (1.10) each halve the wait;
     # the second failure (0.92) waits 16 plain steps, where the policy before halving waited 2
-    assert runs[10:] == [64, 0, 0, 16]
+    assert runs[10:] == [0, 0, 16]
+
+
+def test_a_dear_try_waits_until_its_loss_is_a_small_share():
+    """A failed try that cost 2 plain steps for 1 token a row lost 1 plain step: the batch waits 1 / EXPLORE = 50
+    plain steps before the next (more than the doubling's 2, 4, 8, 16, 32), and at most 64; a cheap failed try (it
+    lost 0.05 of a step) waits 3 steps at first (0.05 / EXPLORE = 2.5), then the doubling's."""
+    assert plain_runs(pol.Policy(costs(0.1, 1.0 / pol.DRAFT_SLACK), 8), [0] * 7) == [50, 50, 50, 50, 50, 64, 64]
+    assert plain_runs(pol.Policy(costs(0.1, 0.05 / pol.DRAFT_SLACK), 8), [0] * 7) == [3, 4, 8, 16, 32, 64, 64]
 
 
 def test_the_batch_verifies_one_width_capped_by_each_rows_budget():
     """One width for the batch: at slot k the live rows' expected tokens (row 0: 0.9^k, row 1: 0.05 at slot 1,
-    its last draft) against rho (V(k + 1, 3) - V(k, 3)), rho = 2 live rows / V(1, 3) times their rate 1.3 (new
-    requests); a row with one draft left verifies one, a row that does not decode none."""
+    its last draft) against rho (V(k + 1, 3) - V(k, 3)), rho = 2 live rows / V(1, 3) times their rate 1.3; a row
+    with one draft left verifies one, a row that does not decode none."""
     c = costs(0.12, 0.2)
     policy = pol.Policy(c, 8)
+    policy.state = {r: pol.RequestState(1.3) for r in range(3)}
     conf = torch.tensor([[0.9] * 4 + [0.1, 0.9, 0.9], [0.05] + [0.9] * 6, [0.9] * 7])
     assert policy.begin([0, 1, 2], [1, 1, 1], [True, True, False])
     keep, width = policy.cut_chain(conf, torch.tensor([7, 1, 7]))
@@ -511,8 +522,8 @@ def test_expected_tokens_of_a_tree_count_its_best_nodes():
     policy = pol.Policy(costs(0.0, 0.0), 4, tree=True)
     policy.begin([0], [1], [True])
     assert policy.cut_tree(Tree) == 4  # flat costs: the largest budget allowed
-    policy = pol.Policy(pol.Costs([1], [[1, 1.5, 2.0, 2.5, 3.0, 3.5]], [0.1], [0.1]), 4, tree=True)
+    policy = pol.Policy(pol.Costs([1], [[1, 1.5, 2.0, 2.5, 3.0, 3.5]], [0.1], [0.1 / pol.DRAFT_SLACK]), 4, tree=True)
     policy.begin([0], [1], [True])
-    rate = {b: (1 + [0.9, 1.4, 1.5, 1.5][b - 1]) / (0.1 + 1 + 0.5 * b) for b in (2, 4)}
-    assert policy.cut_tree(Tree) == max(rate, key=rate.get)
+    rate = {b: (1 + [0.9, 1.4, 1.5, 1.5][b - 1]) / (0.1 + 1 + 0.5 * b) for b in (2, 4)}  # drafting costs a step 0.1
+    assert policy.cut_tree(Tree) == max(rate, key=rate.get) == 2
     assert math.isclose(rate[2], 2.4 / 2.1)
