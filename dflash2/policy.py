@@ -16,8 +16,9 @@ Each step, for the batch of b rows in the forward (finished rows leave it; conti
    rows' mean rate is at least 1, i.e. while its drafted steps beat plain decoding's b tokens per V(1, b).
    After a drafted step that did not pay, it decodes plainly for 2, 4, 8, ... (at most 64) steps before it
    tries again, and for at least as many as make that step's loss EXPLORE of them (a try costs more where
-   drafting is dear: a batch of many rows). A try is judged mostly on its own: the rates it updates start from at least TRY_RATE. Each
-   drafted step after which the rate still pays halves the wait (down to 2).
+   drafting is dear: a batch of many rows). A try is judged mostly on its own: the rates it updates start from
+   at least TRY_RATE. Each drafted step after which the rate still pays halves the wait (down to 2). A drafted
+   step's cost counts its draft DRAFT_SLACK times D(b): a draft timed alone misses part of what it costs a step.
 2. How wide (after drafting): one width W for the whole batch; every live row verifies up to W - 1 drafts
    (capped by what it may still make): a row's slots cost the same filled with drafts or with padding. The
    draft is paid by then, so a step is worth E(W) - rho * V(W, b), where E(W) = sum over live rows of

@@ -250,7 +250,7 @@ def test_every_benchmark_table_is_printed_from_its_results_file():
 def test_a_table_that_disagrees_with_its_file_is_caught():
     text = (ROOT / "docs" / "BENCHMARKS.md").read_text(encoding="utf-8")
     command, table = generated_tables(text)[0]
-    changed = table.replace("1.77×", "1.87×", 1)
+    changed = table.replace("×", "1×", 1)  # one speedup with a digit added
     assert changed != table and printed_table(command) != changed
 
 

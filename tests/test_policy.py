@@ -118,6 +118,42 @@ def test_a_dear_try_waits_until_its_loss_is_a_small_share():
     assert plain_runs(pol.Policy(costs(0.1, 0.05 / pol.DRAFT_SLACK), 8), [0] * 7) == [3, 4, 8, 16, 32, 64, 64]
 
 
+def compute_bound(rows):
+    """Costs at 1 and `rows` rows: one row's forward nearly flat in its tokens (V(w, 1) = 1 + 0.1 (w - 1)); `rows`
+    rows' compute-bound, rows tokens cost rows each (V(w, rows) = rows w), so no width pays for a draft there."""
+    n = 9
+    return pol.Costs([1, rows], [[1 + 0.1 * (w - 1) for w in range(1, n + 1)], [rows * w for w in range(1, n + 1)]],
+                     [0.1, 0.5], [0.1, 0.5])
+
+
+def test_a_batch_where_no_width_can_pay_never_drafts():
+    """At 4 rows every width w makes at most w tokens a row for 0.75 + 4 w, against 1 for 4: the batch never drafts,
+    not even a first try, and decodes exactly the greedy tokens; one row drafts (8 tokens for 1.85 against 1 for 1)."""
+    policy = pol.Policy(compute_bound(4), 8)
+    assert not policy.can_pay(4) and policy.can_pay(1)
+    assert not policy.begin([0, 1, 2, 3], [0] * 4, [True] * 4) and policy.begin([0], [0], [True])
+    model, target, drafter = pair("llama")
+    prompts = [[1, 2, 3], [9, 8, 7, 6], [5, 4], [3, 3, 3]]
+    results = sd.generate(target, drafter, prompts, max_new_tokens=12, policy_override=pol.Policy(compute_bound(4), 8))
+    for prompt, res in zip(prompts, results):
+        assert res.tokens == reference_greedy(model, prompt, 12) and set(res.widths) == {1}
+    one = sd.generate(target, drafter, prompts[:1], max_new_tokens=12, policy_override=pol.Policy(compute_bound(4), 8))
+    assert max(one[0].widths) > 1
+
+
+def test_a_first_drafted_step_sets_the_rate_and_a_joining_request_takes_the_batchs():
+    """Before any drafted step a request has no rate and the batch drafts; the step sets each row's rate to its
+    own tokens per unit cost; a request that joins later starts from the live rows' mean."""
+    c = costs(0.1, 0.2)
+    policy = pol.Policy(c, 8)
+    assert policy.begin([0, 1], [0, 0], [True, True]) and policy.rate() == 1.0
+    policy.end([True, True], [3, 0], True, 4)
+    cost = (pol.DRAFT_SLACK * c.D(2) + c.V(4, 2)) / c.V(1, 2)
+    assert [policy.state[r].rate for r in (0, 1)] == [4 / cost, 1 / cost]
+    policy.begin([0, 1, 7], [1, 1, 0], [True, False, True])  # row 1 done, request 7 joins
+    assert policy.state[7].rate == 4 / cost  # the mean over the live rows with a rate: request 0's
+
+
 def test_the_batch_verifies_one_width_capped_by_each_rows_budget():
     """One width for the batch: at slot k the live rows' expected tokens (row 0: 0.9^k, row 1: 0.05 at slot 1,
     its last draft) against rho (V(k + 1, 3) - V(k, 3)), rho = 2 live rows / V(1, 3) times their rate 1.3; a row
