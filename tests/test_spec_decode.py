@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from dflash2 import proposers, spec_decode as sd, verify
+from dflash2 import policy as policy_module, proposers, spec_decode as sd, verify
 from dflash2.target import Target
 from targets import ARCHS, reference_greedy, synthetic_costs, tiny_drafter, tiny_target
 
@@ -225,6 +225,8 @@ def test_drafter_state_equals_an_uncached_recomputation(monkeypatch, temperature
             checked.append((req, pos))
 
     monkeypatch.setattr(proposers, "draft", spy)
+    monkeypatch.setattr(policy_module, "EXPLORE", float("inf"))  # tries after 2, 4, 8 plain steps: a short decode
+    # has drafted steps that read the writes its plain runs deferred
     override = None if policy is None else Policy(synthetic_costs(0.05, 4.0), 8)
     results = sd.generate(target, drafter, prompts, max_new_tokens=n, temperature=temperature, top_p=0.9,
                           seed=5, static=static, trace=trace, on_emit=lambda req, toks: emitted[req].extend(toks),
