@@ -166,14 +166,11 @@ def is_dspark(draft_dir):
 
 
 def check_pair(lm, drafter):
-    """The drafter reuses the target's embedding and LM head: sizes must agree (Target checks the taps)."""
+    """check_fit again on the loaded target: its hidden size, its LM head's rows and its layers, which a config.json
+    may not name or may name under other keys."""
     cfg = text_config(lm.config)
-    dc = drafter.config
-    rows = lm.get_output_embeddings().weight.shape[0]
-    if dc.hidden_size != cfg.hidden_size:
-        raise InputError(f"drafter hidden_size {dc.hidden_size} does not match the target's {cfg.hidden_size}")
-    if dc.vocab_size != rows:
-        raise InputError(f"drafter vocab_size {dc.vocab_size} does not match the target's LM head ({rows} rows)")
+    check_fit(dict(hidden_size=cfg.hidden_size, vocab_size=lm.get_output_embeddings().weight.shape[0],
+                   num_hidden_layers=cfg.num_hidden_layers), drafter.config)
 
 
 # --- the target ---
