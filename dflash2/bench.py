@@ -425,11 +425,12 @@ def build_parser():
                     help="with --compile: decode N rounds, eager then compiled each round, in one process, and "
                          "print tok/s per round (a drifting machine hits both modes alike)")
     ap.add_argument("--interleave", action="store_true",
-                    help="concurrency 1: time prompt by prompt, every method on a prompt in turn (rotating order), "
-                         "so a drifting machine hits each method alike; adds each prompt's speedup over ar")
+                    help="time wave by wave, every method on a wave in turn (rotating order), so a drifting machine "
+                         "hits each method alike; a wave is --concurrency prompts decoded as one batch that shrinks "
+                         "as its requests end (one prompt at concurrency 1); adds each wave's speedup over ar")
     ap.add_argument("--rounds", type=int, default=None, metavar="N",
                     help="decode every cell N times, its methods taking turns with the first one rotating each round "
-                         "(prompt by prompt with --interleave), and pool the tokens and walls (default: 1, 2 with "
+                         "(wave by wave with --interleave), and pool the tokens and walls (default: 1, 2 with "
                          "--protocol)")
     ap.add_argument("--protocol", action="store_true",
                     help="the model card's protocol: --methods ar,dflash2,dspark on the six tasks (the card's five and "
@@ -480,8 +481,9 @@ def check_args(args):
         args.rounds = 2 if args.protocol else 1
     if args.pld_sweep:
         args.methods, args.concurrency = ["hf-pld"], [1]
-    if args.interleave and (args.concurrency != [1] or args.alternate):
-        raise SystemExit("--interleave times one prompt at a time: it needs --concurrency 1 (and no --alternate)")
+    if args.interleave and args.alternate:
+        raise SystemExit("--interleave takes turns wave by wave between methods; --alternate between eager and "
+                         "compiled: choose one")
     if args.rounds < 1 or (args.rounds > 1 and (args.alternate or args.pld_sweep)):
         raise SystemExit("--rounds N needs N >= 1 (and neither --alternate nor --pld-sweep)")
     if args.tree_budget and "dflash2-tree" in args.methods:  # one method per budget, side by side
@@ -587,17 +589,19 @@ def measure(run, args, m, c, batch, desc):
 
 def take_turns(run, args, task, c, methods):
     """The methods' decodes of one task at concurrency c: --rounds rounds, the methods in turn with the first one
-    rotating each round (with --interleave prompt by prompt, rotating from prompt to prompt too), so the machine's
-    drift falls on all of them. Returns {method: {results (each unit's first), tokens, walls (each unit's, summed
-    over the rounds), timings}}; a unit is the task's prompts, or one prompt with --interleave."""
-    units = [[p] for p in run.prompts[task]] if args.interleave else [run.prompts[task]]
+    rotating each round (with --interleave wave by wave, rotating from wave to wave too), so the machine's drift
+    falls on all of them. Returns {method: {results (each unit's first), tokens, walls (each unit's, summed over
+    the rounds), timings}}; a unit is the task's prompts (continuous batching), or with --interleave a wave: c of
+    them decoded as one batch, which shrinks as its requests end."""
+    prompts = run.prompts[task]
+    units = [prompts[i:i + c] for i in range(0, len(prompts), c)] if args.interleave else [prompts]
     done = {m: dict(results=[None] * len(units), tokens=[0] * len(units), walls=[0.0] * len(units),
                     timings={} if args.profile else None) for m in methods}
     for rnd in range(args.rounds if methods else 0):
         for i, batch in enumerate(units):
             k = (i + rnd) % len(methods)
             for m in methods[k:] + methods[:k]:
-                where = f" prompt {i}" if args.interleave else ""
+                where = f" wave {i + 1}" if args.interleave else ""
                 results, wall, timings = measure(run, args, m, c, batch, f"{task} {m} c={c} round {rnd + 1}{where}")
                 d = done[m]
                 seen = d["results"][i]
@@ -639,7 +643,7 @@ def cells(run, args):
                     if args.rounds > 1 or args.interleave:
                         row["rounds"] = args.rounds
                     if args.interleave:
-                        row["prompt_tok_s"] = [t / w for t, w in zip(d["tokens"], d["walls"])]
+                        row["wave_tok_s"] = [t / w for t, w in zip(d["tokens"], d["walls"])]
                     if row["method"] not in PEERS and row["method"] != "ar":
                         row["widths"] = width_shares(results)
                     if d["timings"] is not None:
@@ -659,8 +663,8 @@ def compare(rows, outputs):
         ar, hf = measured.get(cell_key(r, "ar")), measured.get(cell_key(r, "hf"))
         if ar is not None:
             r["speedup_vs_ar"] = r["throughput_tok_s"] / ar["throughput_tok_s"]
-            if "prompt_tok_s" in r:  # --interleave: each prompt's speedup, its method and ar timed seconds apart
-                r["prompt_speedups"] = [a / b for a, b in zip(r["prompt_tok_s"], ar["prompt_tok_s"])]
+            if "wave_tok_s" in r:  # --interleave: each wave's speedup, its method and ar timed seconds apart
+                r["wave_speedups"] = [a / b for a, b in zip(r["wave_tok_s"], ar["wave_tok_s"])]
             if r["temperature"] == 0:
                 r["identical_to_ar"] = outputs[key] == outputs[cell_key(r, "ar")]
         if hf is not None:

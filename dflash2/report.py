@@ -3,12 +3,12 @@ prints again from the file, so a table in the docs and its data cannot disagree.
 
 Sections (SECTIONS, each optional): the machine's measured costs; per sampling (greedy, or T / top-p), the model
 card's layout (tau per task, throughput with the speedup over ar, the speedup's range over the tasks), each
-prompt's speedup (--interleave), each cell's verified widths with its tau and speedup, the peers side by side at
+wave's speedup (--interleave), each cell's verified widths with its tau and speedup, the peers side by side at
 concurrency 1, and the per-step time split (--profile). An --alternate run has its own table, as has --pld-sweep.
 """
 import statistics
 
-SECTIONS = ("costs", "tau", "speed", "range", "prompts", "widths", "peers", "profile")
+SECTIONS = ("costs", "tau", "speed", "range", "waves", "widths", "peers", "profile")
 PHASES = ["drafter", "selector", "verify", "bookkeeping"]  # the phases the bench's --profile times in each step
 GOALS = {"hf-pld": 1.8, "hf": 2.5}  # issue 22: dflash2's speedup over each peer at concurrency 1, on every task
 WIDTH_BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 64))  # verified block with its anchor; 1 = a plain step
@@ -84,15 +84,17 @@ def tables(rows, tasks, methods, concurrencies, sections=SECTIONS):
                              else _shown(cell[tasks[0], m, c], "–"))
             out.append(f"| {m} | " + " | ".join(cells) + " |")
         out.append("")
-    per_prompt = [r for r in rows if r.get("prompt_speedups") and r["method"] != "ar"]
-    if per_prompt and "prompts" in sections:  # --interleave
-        out += [f"Each prompt's speedup over ar (--interleave: each method timed on the prompt in turn; pooled over "
-                f"{per_prompt[0].get('rounds', 1)} round(s)): lowest, median, prompts below 0.95× and below 1.0×\n",
-                "| task | method | lowest | median | < 0.95× | < 1.0× |", "|---|---|---|---|---|---|"]
-        for r in per_prompt:
-            x = r["prompt_speedups"]
-            out.append(f"| {r['task']} | {r['method']} | {min(x):.2f}× | {statistics.median(x):.2f}× | "
-                       f"{sum(v < 0.95 for v in x)} of {len(x)} | {sum(v < 1.0 for v in x)} of {len(x)} |")
+    per_wave = [r for r in rows if r.get("wave_speedups") and r["method"] != "ar"]
+    if per_wave and "waves" in sections:  # --interleave
+        out += [f"Each wave's speedup over ar (--interleave: each method timed on a wave of `c` prompts in turn, one "
+                f"prompt at c = 1; pooled over {per_wave[0].get('rounds', 1)} round(s)): lowest, median, waves below "
+                "0.95× and below 1.0×\n",
+                "| task | c | method | lowest | median | < 0.95× | < 1.0× |", "|---|---|---|---|---|---|---|"]
+        for r in per_wave:
+            x = r["wave_speedups"]
+            out.append(f"| {r['task']} | {r['concurrency']} | {r['method']} | {min(x):.2f}× | "
+                       f"{statistics.median(x):.2f}× | {sum(v < 0.95 for v in x)} of {len(x)} | "
+                       f"{sum(v < 1.0 for v in x)} of {len(x)} |")
         out.append("")
     reasons = sorted({r["cannot_run"] for r in rows if r.get("cannot_run")})
     if reasons:

@@ -348,37 +348,40 @@ def test_profile_times_every_phase_without_timers_in_the_loop():
     assert "forward" not in vars(target) and proposers.draft.__name__ == "draft" and sd._prefill.__name__ == "_prefill"
 
 
-def test_interleave_times_prompt_by_prompt_in_rotating_order(tiny_pair, tmp_path, capsys, monkeypatch):
-    """--interleave decodes one prompt at a time with every method on it in turn, the first method rotating
-    from prompt to prompt and round to round; cells pool the prompts' tokens and walls over the rounds, and each
-    prompt's speedup over ar is kept."""
+def test_interleave_times_wave_by_wave_in_rotating_order(tiny_pair, tmp_path, capsys, monkeypatch):
+    """--interleave decodes a wave at a time (one prompt at c = 1, c prompts as one batch at c > 1) with every
+    method on it in turn, the first method rotating from wave to wave and round to round; cells pool the waves'
+    tokens and walls over the rounds, and each wave's speedup over ar is kept."""
     calls = []
     real = bench.run_method
 
-    def spy(target, drafter, prompts, method, *args, **kwargs):
-        calls.append((method, len(prompts)))
-        return real(target, drafter, prompts, method, *args, **kwargs)
+    def spy(target, drafter, prompts, method, concurrency, *args, **kwargs):
+        calls.append((method, concurrency, len(prompts)))
+        return real(target, drafter, prompts, method, concurrency, *args, **kwargs)
 
     monkeypatch.setattr(bench, "run_method", spy)
     write_tiny_data(tmp_path / "data")
     report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--tasks", "gsm8k", "--methods",
-                    "ar,dflash2,dflash2@2", "--concurrency", "1", "--num-prompts", "3", "--max-new-tokens", "10",
+                    "ar,dflash2,dflash2@2", "--concurrency", "1,2", "--num-prompts", "3", "--max-new-tokens", "10",
                     "--interleave", "--rounds", "2", "--profile")
     a, b, c = "ar", "dflash2", "dflash2@2"
-    assert [m for m, n in calls] == [a, b, c, b, c, a, c, a, b] + [b, c, a, c, a, b, a, b, c]
-    assert all(n == 1 for m, n in calls)
-    rows = {r["method"]: r for r in report["results"]}
-    for m, r in rows.items():
-        assert r["identical_to_ar"] is True and len(r["prompt_tok_s"]) == 3 and r["step_ms"]["verify"] > 0
+    one = [a, b, c, b, c, a, c, a, b] + [b, c, a, c, a, b, a, b, c]  # 3 waves of 1 prompt, 2 rounds
+    two = [a, b, c, b, c, a] + [b, c, a, c, a, b]  # waves of 2 prompts and of 1, 2 rounds
+    assert calls == [(m, 1, 1) for m in one] + [(m, 2, n) for m, n in zip(two, [2, 2, 2, 1, 1, 1] * 2)]
+    rows = {(r["method"], r["concurrency"]): r for r in report["results"]}
+    for (m, conc), r in rows.items():
+        assert r["identical_to_ar"] is True and len(r["wave_tok_s"]) == 4 - conc and r["step_ms"]["verify"] > 0
         assert r["rounds"] == 2 and r["completion_tokens"] * 2 == pytest.approx(r["throughput_tok_s"] * r["wall_s"])
-        # pooled tokens over pooled walls: a weighted mean of the prompts' rates
-        assert min(r["prompt_tok_s"]) <= r["throughput_tok_s"] <= max(r["prompt_tok_s"])
-    for m in ("dflash2", "dflash2@2"):
-        assert rows[m]["prompt_speedups"] == pytest.approx(
-            [a / b for a, b in zip(rows[m]["prompt_tok_s"], rows["ar"]["prompt_tok_s"])])
-    assert "Each prompt's speedup over ar" in capsys.readouterr().out
+        # pooled tokens over pooled walls: a weighted mean of the waves' rates
+        assert min(r["wave_tok_s"]) <= r["throughput_tok_s"] <= max(r["wave_tok_s"])
+    for (m, conc), r in rows.items():
+        if m != "ar":
+            assert r["wave_speedups"] == pytest.approx(
+                [x / y for x, y in zip(r["wave_tok_s"], rows["ar", conc]["wave_tok_s"])])
+    printed = capsys.readouterr().out
+    assert "Each wave's speedup over ar" in printed and "| gsm8k | 2 | dflash2 |" in printed
     with pytest.raises(SystemExit, match="--interleave"):
-        _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--concurrency", "1,2", "--interleave")
+        _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--interleave", "--compile", "--alternate", "1")
     with pytest.raises(SystemExit, match="--rounds"):
         _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--rounds", "0")
 

@@ -62,9 +62,10 @@ def test_greedy_with_the_policy_matches_target(method, data, c, n):
         assert len(res.widths) == res.verify_steps - 1 and all(1 <= w <= cap + 1 for w in res.widths)
 
 
-def test_drafting_that_does_not_pay_turns_into_plain_steps_and_back():
+def test_drafting_that_does_not_pay_turns_into_plain_steps_and_back(monkeypatch):
     """Costly drafts: after the first drafted steps the rows decode plainly (width 1), trying again after 2, 4,
-    8, ... plain steps; cheap drafts and flat costs: every step drafts the whole block."""
+    8, ... plain steps; free drafts and flat costs: every step drafts the whole block (with PAY at 1: a free step
+    that makes one token a row, as this random drafter's do, breaks even)."""
     model, target, drafter = pair("llama")
     prompts = [[1, 2, 3], [9, 8, 7, 6]]
     dear = sd.generate(target, drafter, prompts, max_new_tokens=40, policy="auto",
@@ -72,6 +73,7 @@ def test_drafting_that_does_not_pay_turns_into_plain_steps_and_back():
     for prompt, res in zip(prompts, dear):
         assert res.tokens == reference_greedy(model, prompt, 40)
         assert res.widths.count(1) > len(res.widths) / 2 and max(res.widths) > 1
+    monkeypatch.setattr(pol, "PAY", 1.0)
     cheap = sd.generate(target, drafter, prompts, max_new_tokens=40, policy="auto",
                         policy_override=pol.Policy(costs(0.0, 0.0), 8))
     for r in cheap:  # every step the whole block, or what is left of the request's budget
@@ -116,6 +118,14 @@ def test_a_dear_try_waits_until_its_loss_is_a_small_share():
     lost 0.05 of a step) waits 3 steps at first (0.05 / EXPLORE = 2.5), then the doubling's."""
     assert plain_runs(pol.Policy(costs(0.1, 1.0 / pol.DRAFT_SLACK), 8), [0] * 7) == [50, 50, 50, 50, 50, 64, 64]
     assert plain_runs(pol.Policy(costs(0.1, 0.05 / pol.DRAFT_SLACK), 8), [0] * 7) == [3, 4, 8, 16, 32, 64, 64]
+
+
+def test_drafting_the_model_calls_break_even_is_left_to_plain_steps():
+    """A drafted step that makes 2 tokens for 1.96 plain steps' cost (rate 1.02: a gain within the costs' error)
+    waits, as one that does not pay; one that makes 2 for 1.85 (rate 1.08, over PAY) goes on drafting."""
+    assert 1.02 < pol.PAY < 2 / 1.85
+    assert plain_runs(pol.Policy(costs(0.0, 0.96 / pol.DRAFT_SLACK), 8), [1, 1, 1, 1]) == [2, 4, 8, 16]
+    assert plain_runs(pol.Policy(costs(0.0, 0.85 / pol.DRAFT_SLACK), 8), [1, 1, 1, 1]) == [0, 0, 0, 0]
 
 
 def compute_bound(rows):
