@@ -428,6 +428,10 @@ def build_parser():
                     help="time wave by wave, every method on a wave in turn (rotating order), so a drifting machine "
                          "hits each method alike; a wave is --concurrency prompts decoded as one batch that shrinks "
                          "as its requests end (one prompt at concurrency 1); adds each wave's speedup over ar")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="every request decodes --max-new-tokens tokens, its stop tokens ignored (serving benchmarks' "
+                         "practice): at T > 0 the methods draw different outputs, whose lengths would change the work "
+                         "and a batch's occupancy; this gives every method the same tokens to make")
     ap.add_argument("--rounds", type=int, default=None, metavar="N",
                     help="decode every cell N times, its methods taking turns with the first one rotating each round "
                          "(wave by wave with --interleave), and pool the tokens and walls (default: 1, 2 with "
@@ -490,9 +494,9 @@ def check_args(args):
         i = args.methods.index("dflash2-tree")
         args.methods[i : i + 1] = [f"dflash2-tree@{n}" for n in args.tree_budget]
     peers = [m for m in args.methods if m in PEERS]
-    if peers and (args.synthetic or args.alternate or args.compile):
-        raise SystemExit(f"--methods {','.join(peers)}: peers run on a real pair, eager (not with --synthetic, "
-                         "--compile or --alternate)")
+    if peers and (args.synthetic or args.alternate or args.compile or args.ignore_eos):
+        raise SystemExit(f"--methods {','.join(peers)}: peers run on a real pair, eager, to their stop tokens (not "
+                         "with --synthetic, --compile, --alternate or --ignore-eos)")
     if args.pld_num_tokens < 1 or args.pld_ngram < 1:
         raise SystemExit("--pld-num-tokens and --pld-ngram must be >= 1")
     try:
@@ -528,7 +532,7 @@ def load(args):
             if run.drafter is not None and run.drafter.config.target_layer_ids != run.dspark.config.target_layer_ids:
                 raise SystemExit(f"--draft and --dspark-draft tap different target layers "
                                  f"({run.drafter.config.target_layer_ids} vs {run.dspark.config.target_layer_ids})")
-        run.stop_ids = stop_token_ids(run.model, tokenizer)
+        run.stop_ids = [] if args.ignore_eos else stop_token_ids(run.model, tokenizer)
         run.prompts = {task: [encode_prompt(tokenizer, format_prompt(task, t)) for t in ts] for task, ts in texts.items()}
     if run.drafter is not None:  # record what ran
         args.draft_dtype = str(next(run.drafter.parameters()).dtype).removeprefix("torch.")

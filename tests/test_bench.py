@@ -386,6 +386,30 @@ def test_interleave_times_wave_by_wave_in_rotating_order(tiny_pair, tmp_path, ca
         _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--rounds", "0")
 
 
+def test_ignore_eos_gives_every_method_the_same_tokens_to_make(tiny_pair, tmp_path, monkeypatch):
+    """--ignore-eos: the loop is given no stop tokens, so every request makes --max-new-tokens tokens with every
+    method, at T = 1 too; without it the target's stop tokens are passed; peers refuse it."""
+    seen = []
+    real = bench.run_method
+
+    def spy(target, drafter, prompts, method, concurrency, args, stop_ids, *rest, **kwargs):
+        seen.append(list(stop_ids))
+        return real(target, drafter, prompts, method, concurrency, args, stop_ids, *rest, **kwargs)
+
+    monkeypatch.setattr(bench, "run_method", spy)
+    write_tiny_data(tmp_path / "data")
+    flags = ("--tasks", "gsm8k", "--methods", "ar,dflash2", "--num-prompts", "3", "--max-new-tokens", "6",
+             "--temperature", "1")
+    report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", *flags, "--ignore-eos")
+    assert seen and all(s == [] for s in seen)
+    assert report["results"] and all(r["completion_tokens"] == 18 for r in report["results"])
+    seen.clear()
+    _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", *flags)
+    assert seen and all(s for s in seen)
+    with pytest.raises(SystemExit, match="--ignore-eos"):
+        _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--methods", "ar,hf", "--ignore-eos")
+
+
 def test_rounds_take_turns_cell_by_cell(tiny_pair, tmp_path, monkeypatch):
     """--rounds N without --interleave: each cell's methods decode all its prompts in turn, the first method rotating
     from round to round, and a cell's throughput pools every round's tokens and wall."""
