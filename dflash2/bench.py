@@ -11,7 +11,10 @@ one run. Acceptance length tau = per-request mean of completion tokens / verific
 throughput = total output tokens / end-to-end wall time (prefill included), with `concurrency`
 requests in flight, batched by our loop: a finished request's row takes the next waiting prompt at
 once (continuous batching, as a serving engine's maximum concurrency does). With --rounds N the methods
-of a cell take turns N times (the first one rotating), so the machine's drift falls on all of them.
+of a cell take turns N times (the first one rotating), so the machine's drift falls on all of them; with
+--interleave they take turns wave by wave (`concurrency` prompts a batch), which resolves a few percent on a
+drifting machine. At T > 0 each method draws its own outputs, of other lengths: --ignore-eos makes every request
+decode --max-new-tokens tokens, so every method does the same work.
 """
 import argparse
 import dataclasses
