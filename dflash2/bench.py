@@ -11,9 +11,9 @@ one run. Acceptance length tau = per-request mean of completion tokens / verific
 throughput = total output tokens / end-to-end wall time (prefill included), with `concurrency`
 requests in flight, batched by our loop: a finished request's row takes the next waiting prompt at
 once (continuous batching, as a serving engine's maximum concurrency does). With --rounds N the methods
-of a cell take turns N times (the first one rotating), so the machine's drift falls on all of them; with
---interleave they take turns wave by wave (`concurrency` prompts a batch), which resolves a few percent on a
-drifting machine. At T > 0 each method draws its own outputs, of other lengths: --ignore-eos makes every request
+of a cell take turns N times (the first one rotating, and each cell starting from the next method), so the
+machine's drift falls on all of them; with --interleave they take turns wave by wave (`concurrency` prompts a
+batch), which resolves a few percent on a drifting machine. At T > 0 each method draws its own outputs, of other lengths: --ignore-eos makes every request
 decode --max-new-tokens tokens, so every method does the same work.
 """
 import argparse
@@ -437,7 +437,7 @@ def build_parser():
                          "and a batch's occupancy; this gives every method the same tokens to make")
     ap.add_argument("--rounds", type=int, default=None, metavar="N",
                     help="decode every cell N times, its methods taking turns with the first one rotating each round "
-                         "(wave by wave with --interleave), and pool the tokens and walls (default: 1, 2 with "
+                         "and each cell (wave by wave with --interleave), and pool the tokens and walls (default: 1, 2 with "
                          "--protocol)")
     ap.add_argument("--protocol", action="store_true",
                     help="the model card's protocol: --methods ar,dflash2,dspark on the six tasks (the card's five and "
@@ -566,22 +566,24 @@ def costs_record(costs):
 
 def warm_up(run, args):
     """This machine's costs for each drafter under --policy auto, measured (or read) and printed before any
-    timing; then an untimed decode by every method, so one-time costs (allocator, kernels, compilation) are billed
-    to no one. Compiled runs warm up at the real length: static cache shapes depend on it."""
+    timing; then an untimed decode by every method at each concurrency (a peer: of one prompt), so one-time costs
+    (allocator, kernels, compilation) are billed to no one. Compiled runs warm up at the real length: static cache
+    shapes depend on it."""
     if args.policy == "auto":
         drafters = {"dflash2": run.drafter, "dspark": run.dspark}
         args.costs = {name: costs_record(policy.machine_costs(run.target, d))
                       for name, d in drafters.items() if d is not None}
         for line in report.costs_lines(vars(args)):
             print(line, flush=True)
-    first = next(iter(run.prompts.values()))[0]
+    prompts = next(iter(run.prompts.values()))
     for m in args.methods:
         if m in PEERS:
             if not (m == "zlab" and run.zlab is None):
-                run_peer(run.model, m, [first], args, run.stop_ids, f"warm-up {m}", zlab=run.zlab, max_new_tokens=8)
+                run_peer(run.model, m, prompts[:1], args, run.stop_ids, f"warm-up {m}", zlab=run.zlab, max_new_tokens=8)
             continue
-        generate(run.target, draft_for(run, m), [first],
-                 method_settings(m, args, max_new_tokens=args.max_new_tokens if args.compile else 8))
+        for c in args.concurrency:  # a batch of each size: the first one's memory is not billed to a cell's first turn
+            generate(run.target, draft_for(run, m), prompts[:c],
+                     method_settings(m, args, max_new_tokens=args.max_new_tokens if args.compile else 8, max_batch=c))
 
 
 def measure(run, args, m, c, batch, desc):
@@ -594,10 +596,10 @@ def measure(run, args, m, c, batch, desc):
     return results, wall, timings
 
 
-def take_turns(run, args, task, c, methods):
+def take_turns(run, args, task, c, methods, first=0):
     """The methods' decodes of one task at concurrency c: --rounds rounds, the methods in turn with the first one
-    rotating each round (with --interleave wave by wave, rotating from wave to wave too), so the machine's drift
-    falls on all of them. Returns {method: {results (each unit's first), tokens, walls (each unit's, summed over
+    rotating each round (with --interleave wave by wave, rotating from wave to wave too) from methods[first] (cells
+    start from the next method each), so the machine's drift and any cost of going first fall on all of them. Returns {method: {results (each unit's first), tokens, walls (each unit's, summed over
     the rounds), timings}}; a unit is the task's prompts (continuous batching), or with --interleave a wave: c of
     them decoded as one batch, which shrinks as its requests end."""
     prompts = run.prompts[task]
@@ -606,7 +608,7 @@ def take_turns(run, args, task, c, methods):
                     timings={} if args.profile else None) for m in methods}
     for rnd in range(args.rounds if methods else 0):
         for i, batch in enumerate(units):
-            k = (i + rnd) % len(methods)
+            k = (first + i + rnd) % len(methods)
             for m in methods[k:] + methods[:k]:
                 where = f" wave {i + 1}" if args.interleave else ""
                 results, wall, timings = measure(run, args, m, c, batch, f"{task} {m} c={c} round {rnd + 1}{where}")
@@ -625,7 +627,7 @@ def take_turns(run, args, task, c, methods):
 def cells(run, args):
     """Every cell of the run, per sampling, task and concurrency, its methods taking turns (take_turns): the
     results JSON's rows, and each cell's outputs {(temperature, top_p, task, method, c): token lists}."""
-    rows, outputs = [], {}
+    rows, outputs, turn = [], {}, 0
     for temperature, top_p in args.samplings:
         args.temperature, args.top_p = temperature, top_p  # what method_settings and run_peer read
         for task in args.tasks:
@@ -639,7 +641,8 @@ def cells(run, args):
                                      identical_to_ar=None, cannot_run=why))
                     if why is None:
                         group.append(rows[-1])
-                turns = take_turns(run, args, task, c, [r["method"] for r in group])
+                turns = take_turns(run, args, task, c, [r["method"] for r in group], first=turn)
+                turn += 1
                 for row in group:
                     d = turns[row["method"]]
                     results = [r for unit in d["results"] for r in unit]

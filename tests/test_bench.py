@@ -350,23 +350,32 @@ def test_profile_times_every_phase_without_timers_in_the_loop():
 
 def test_interleave_times_wave_by_wave_in_rotating_order(tiny_pair, tmp_path, capsys, monkeypatch):
     """--interleave decodes a wave at a time (one prompt at c = 1, c prompts as one batch at c > 1) with every
-    method on it in turn, the first method rotating from wave to wave and round to round; cells pool the waves'
-    tokens and walls over the rounds, and each wave's speedup over ar is kept."""
-    calls = []
-    real = bench.run_method
+    method on it in turn, the first method rotating from wave to wave and round to round, and from cell to cell;
+    cells pool the waves' tokens and walls over the rounds, and each wave's speedup over ar is kept. Before any
+    of it, every method decodes a batch of each concurrency untimed (warm-up)."""
+    calls, warm = [], []
+    real, real_generate = bench.run_method, bench.generate
 
     def spy(target, drafter, prompts, method, concurrency, *args, **kwargs):
         calls.append((method, concurrency, len(prompts)))
         return real(target, drafter, prompts, method, concurrency, *args, **kwargs)
 
+    def spy_generate(target, drafter, prompts, settings, **kwargs):
+        if not calls:
+            warm.append((settings.method, settings.max_batch, len(prompts)))
+        return real_generate(target, drafter, prompts, settings, **kwargs)
+
     monkeypatch.setattr(bench, "run_method", spy)
+    monkeypatch.setattr(bench, "generate", spy_generate)
     write_tiny_data(tmp_path / "data")
     report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--tasks", "gsm8k", "--methods",
                     "ar,dflash2,dflash2@2", "--concurrency", "1,2", "--num-prompts", "3", "--max-new-tokens", "10",
                     "--interleave", "--rounds", "2", "--profile")
     a, b, c = "ar", "dflash2", "dflash2@2"
     one = [a, b, c, b, c, a, c, a, b] + [b, c, a, c, a, b, a, b, c]  # 3 waves of 1 prompt, 2 rounds
-    two = [a, b, c, b, c, a] + [b, c, a, c, a, b]  # waves of 2 prompts and of 1, 2 rounds
+    two = [b, c, a, c, a, b] + [c, a, b, a, b, c]  # waves of 2 prompts and of 1, 2 rounds; the second cell
+    assert warm == [("ar", 1, 1), ("ar", 2, 2), ("dflash2", 1, 1), ("dflash2", 2, 2)] * 1 + [
+        ("dflash2", 1, 1), ("dflash2", 2, 2)]  # dflash2@2 is method dflash2 at width 2
     assert calls == [(m, 1, 1) for m in one] + [(m, 2, n) for m, n in zip(two, [2, 2, 2, 1, 1, 1] * 2)]
     rows = {(r["method"], r["concurrency"]): r for r in report["results"]}
     for (m, conc), r in rows.items():
@@ -412,7 +421,7 @@ def test_ignore_eos_gives_every_method_the_same_tokens_to_make(tiny_pair, tmp_pa
 
 def test_rounds_take_turns_cell_by_cell(tiny_pair, tmp_path, monkeypatch):
     """--rounds N without --interleave: each cell's methods decode all its prompts in turn, the first method rotating
-    from round to round, and a cell's throughput pools every round's tokens and wall."""
+    from round to round and from cell to cell, and a cell's throughput pools every round's tokens and wall."""
     calls = []
     real = bench.run_method
 
@@ -424,7 +433,8 @@ def test_rounds_take_turns_cell_by_cell(tiny_pair, tmp_path, monkeypatch):
     write_tiny_data(tmp_path / "data")
     report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--tasks", "gsm8k", "--methods", "ar,dflash2",
                     "--concurrency", "1,2", "--num-prompts", "3", "--max-new-tokens", "8", "--rounds", "2")
-    assert calls == [(m, c, 3) for c in (1, 2) for m in ("ar", "dflash2", "dflash2", "ar")]
+    assert calls == [(m, 1, 3) for m in ("ar", "dflash2", "dflash2", "ar")] + [
+        (m, 2, 3) for m in ("dflash2", "ar", "ar", "dflash2")]
     for r in report["results"]:
         assert r["rounds"] == 2 and r["completion_tokens"] * 2 == pytest.approx(r["throughput_tok_s"] * r["wall_s"])
         assert r["identical_to_ar"] is True

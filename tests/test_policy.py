@@ -113,11 +113,12 @@ def test_failed_tries_double_the_wait_and_a_paying_try_halves_it(monkeypatch):
 
 
 def test_a_dear_try_waits_until_its_loss_is_a_small_share():
-    """A failed try that cost 2 plain steps for 1 token a row lost 1 plain step: the batch waits 1 / EXPLORE = 50
-    plain steps before the next (more than the doubling's 2, 4, 8, 16, 32), and at most 64; a cheap failed try (it
-    lost 0.05 of a step) waits 3 steps at first (0.05 / EXPLORE = 2.5), then the doubling's."""
-    assert plain_runs(pol.Policy(costs(0.1, 1.0 / pol.DRAFT_SLACK), 8), [0] * 7) == [50, 50, 50, 50, 50, 64, 64]
-    assert plain_runs(pol.Policy(costs(0.1, 0.05 / pol.DRAFT_SLACK), 8), [0] * 7) == [3, 4, 8, 16, 32, 64, 64]
+    """A failed try that cost 2 plain steps for 1 token a row lost 1 plain step: the batch waits 1 / EXPLORE = 100
+    plain steps before the next (more than the doubling's 2, 4, .. 64), so failed tries cost EXPLORE of the time; a
+    cheap failed try (it lost 0.045 of a step) waits 5 steps at first (0.045 / EXPLORE = 4.5), then the doubling's."""
+    assert pol.EXPLORE == 0.01
+    assert plain_runs(pol.Policy(costs(0.1, 1.0 / pol.DRAFT_SLACK), 8), [0] * 7) == [100] * 7
+    assert plain_runs(pol.Policy(costs(0.1, 0.045 / pol.DRAFT_SLACK), 8), [0] * 7) == [5, 5, 8, 16, 32, 64, 64]
 
 
 def test_drafting_the_model_calls_break_even_is_left_to_plain_steps():
