@@ -13,8 +13,8 @@ requests in flight, batched by our loop: a finished request's row takes the next
 once (continuous batching, as a serving engine's maximum concurrency does). With --rounds N the methods
 of a cell take turns N times (the first one rotating, and each cell starting from the next method), so the
 machine's drift falls on all of them; with --interleave they take turns wave by wave (`concurrency` prompts a
-batch), which resolves a few percent on a drifting machine. At T > 0 each method draws its own outputs, of other lengths: --ignore-eos makes every request
-decode --max-new-tokens tokens, so every method does the same work.
+batch), which resolves a few percent on a drifting machine. At T > 0 each method draws its own outputs, of other
+lengths: --ignore-eos makes every request decode --max-new-tokens tokens, so every method does the same work.
 """
 import argparse
 import dataclasses
@@ -437,8 +437,8 @@ def build_parser():
                          "and a batch's occupancy; this gives every method the same tokens to make")
     ap.add_argument("--rounds", type=int, default=None, metavar="N",
                     help="decode every cell N times, its methods taking turns with the first one rotating each round "
-                         "and each cell (wave by wave with --interleave), and pool the tokens and walls (default: 1, 2 with "
-                         "--protocol)")
+                         "and each cell (wave by wave with --interleave), and pool the tokens and walls (default: 1, "
+                         "2 with --protocol)")
     ap.add_argument("--protocol", action="store_true",
                     help="the model card's protocol: --methods ar,dflash2,dspark on the six tasks (the card's five and "
                          "chat-heldout) at --concurrency (1,8,32 by default), greedy and at T = 1 / top-p 0.95, in one "
@@ -579,7 +579,8 @@ def warm_up(run, args):
     for m in args.methods:
         if m in PEERS:
             if not (m == "zlab" and run.zlab is None):
-                run_peer(run.model, m, prompts[:1], args, run.stop_ids, f"warm-up {m}", zlab=run.zlab, max_new_tokens=8)
+                run_peer(run.model, m, prompts[:1], args, run.stop_ids, f"warm-up {m}", zlab=run.zlab,
+                         max_new_tokens=8)
             continue
         for c in args.concurrency:  # a batch of each size: the first one's memory is not billed to a cell's first turn
             generate(run.target, draft_for(run, m), prompts[:c],
@@ -599,9 +600,10 @@ def measure(run, args, m, c, batch, desc):
 def take_turns(run, args, task, c, methods, first=0):
     """The methods' decodes of one task at concurrency c: --rounds rounds, the methods in turn with the first one
     rotating each round (with --interleave wave by wave, rotating from wave to wave too) from methods[first] (cells
-    start from the next method each), so the machine's drift and any cost of going first fall on all of them. Returns {method: {results (each unit's first), tokens, walls (each unit's, summed over
-    the rounds), timings}}; a unit is the task's prompts (continuous batching), or with --interleave a wave: c of
-    them decoded as one batch, which shrinks as its requests end."""
+    start from the next method each), so the machine's drift and any cost of going first fall on all of them.
+    Returns {method: {results (each unit's first), tokens, walls (each unit's, summed over the rounds), timings}};
+    a unit is the task's prompts (continuous batching), or with --interleave a wave: c of them decoded as one
+    batch, which shrinks as its requests end."""
     prompts = run.prompts[task]
     units = [prompts[i:i + c] for i in range(0, len(prompts), c)] if args.interleave else [prompts]
     done = {m: dict(results=[None] * len(units), tokens=[0] * len(units), walls=[0.0] * len(units),

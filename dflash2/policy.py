@@ -17,9 +17,10 @@ Each step, for the batch of b rows in the forward (finished rows leave it; conti
    per V(1, b) by more than the costs' error.
    After a drafted step that did not pay, it decodes plainly for 2, 4, 8, ... (at most 64) steps before it
    tries again, and for at least as many as make that step's loss EXPLORE of them (a try costs more where
-   drafting is dear: a batch of many rows waits longer), so failed tries cost at most EXPLORE of the time. A try is judged mostly on its own: the rates it updates start from
-   at least TRY_RATE. Each drafted step after which the rate still pays halves the wait (down to 2). A drafted
-   step's cost counts its draft DRAFT_SLACK times D(b): a draft timed alone misses part of what it costs a step.
+   drafting is dear: a batch of many rows waits longer), so failed tries cost at most EXPLORE of the time. A try
+   is judged mostly on its own: the rates it updates start from at least TRY_RATE. Each drafted step after which
+   the rate still pays halves the wait (down to 2). A drafted step's cost counts its draft DRAFT_SLACK times
+   D(b): a draft timed alone misses part of what it costs a step.
 2. How wide (after drafting): one width W for the whole batch; every live row verifies up to W - 1 drafts
    (capped by what it may still make): a row's slots cost the same filled with drafts or with padding. The
    draft is paid by then, so a step is worth E(W) - rho * V(W, b), where E(W) = sum over live rows of
@@ -68,8 +69,8 @@ DRAFT_SLACK = 1.5  # what a draft costs a step, in D's: D is timed alone at its 
 # drafted step of 8 rows took 0.3 to 0.4 plain steps longer than D(8) + V(W, 8) said, of one row 0.1 to 0.2 longer
 # than D(1) + V(W, 1): 1.4 to 1.9 D's in all, the same share at both
 EXPLORE = 0.01  # the share of steps that tries which do not pay may cost (Policy.end): at 8 rows on this project's
-# CPU a failed try costs about 1.4 plain steps more than it makes, and at 0.02 chat lost 1.6 % to them (5 plain
-# steps in 314, the costs' own account of a 32-prompt run), the better part of the 3 % the bench can resolve
+# CPU a failed try on chat lost 0.4 to 0.7 plain steps, and at 0.02 (its wait then capped at 64) such tries cost
+# chat 1.6 % (5 plain steps in 314, the costs' own account of a 32-prompt run), half the 3 % a bench cell resolves
 MAX_WAIT = 64  # the most plain steps the doubling waits between tries (the loss's floor may wait longer)
 PAY = 1.05  # the rate a batch's drafted steps must keep to go on drafting: plain decoding's and a margin for the costs'
 # error (a drafted step of 8 rows timed in the loop came within a few percent of the model; two cached measurements
