@@ -13,7 +13,8 @@ requests in flight, batched by our loop: a finished request's row takes the next
 once (continuous batching, as a serving engine's maximum concurrency does). With --rounds N the methods
 of a cell take turns N times (the first one rotating, and each cell starting from the next method), so the
 machine's drift falls on all of them; with --interleave they take turns wave by wave (`concurrency` prompts a
-batch), which resolves a few percent on a drifting machine. At T > 0 each method draws its own outputs, of other
+batch), and with --lockstep they decode each wave at once, taking turns step by step, which resolves about a
+percent on a machine whose speed moves by ten from one second to the next. At T > 0 each method draws its own outputs, of other
 lengths: --ignore-eos makes every request decode --max-new-tokens tokens, so every method does the same work.
 """
 import argparse
@@ -37,7 +38,7 @@ from .policy import COST_BATCHES, COST_WIDTHS
 from .prompts import ALL_TASKS, TASKS, encode_prompt, format_prompt, load_tasks
 from .settings import DEFAULT_DRAFT, DEFAULT_DSPARK_DRAFT, METHODS, TREE_SCORES, DecodeSettings, HelpFormatter
 from .results import Result, mean_tau, width_shares
-from .spec_decode import compile_core, generate
+from .spec_decode import compile_core, decode_steps, generate
 from .target import Target
 
 
@@ -172,18 +173,52 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
                                     (proposers, "select_tree", "selector")):  # a tree's build counts as its selection
             meter.watch(module, name, phase)
         meter.watch(target, "forward", "verify")
-    bar = tqdm(total=len(prompts), desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
-    emitted = [0] * len(prompts)
-
-    def on_emit(req, tokens):  # advance the bar when a request ends (generate's stop rule)
-        emitted[req] += len(tokens)
-        if tokens[-1] in stop_ids or emitted[req] >= args.max_new_tokens:
-            bar.update(1)
-
+    bar = progress_bar(len(prompts), desc)
     with metered(meter, bar, target.device) as clock:
         results = generate(target, drafter, prompts, method_settings(method, args, stop_ids, max_batch=concurrency),
-                           on_emit=on_emit)
+                           on_emit=ticker(bar, len(prompts), args.max_new_tokens, stop_ids))
     return results, clock["wall"]
+
+
+def in_lockstep(run, args, methods, c, batch, desc):
+    """--lockstep: the methods decode one batch at once, taking turns step by step (spec_decode.decode_steps), each
+    timed over its own steps only, so a machine whose speed moves within a wave slows all of them alike. Returns
+    {method: (results, wall seconds, None)}."""
+    bar = progress_bar(len(batch) * len(methods), desc)
+    steps, books, walls = {}, {}, dict.fromkeys(methods, 0.0)
+    for m in methods:
+        settings = method_settings(m, args, run.stop_ids, max_batch=c)
+        steps[m] = decode_steps(run.target, draft_for(run, m), batch, settings,
+                                on_emit=ticker(bar, len(batch), args.max_new_tokens, run.stop_ids))
+    live = list(methods)
+    while live:
+        for m in list(live):
+            start = time.perf_counter()
+            try:
+                books[m] = next(steps[m])
+            except StopIteration:
+                live.remove(m)
+            if run.target.device.type == "cuda":
+                torch.cuda.synchronize()
+            walls[m] += time.perf_counter() - start
+    bar.close()
+    return {m: (books[m].results, walls[m], None) for m in methods}
+
+
+def progress_bar(total, desc):
+    """A bar of requests done, on a terminal only."""
+    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
+
+
+def ticker(bar, n, max_new_tokens, stop_ids):
+    """generate's on_emit that advances the bar when one of its n requests ends (generate's stop rule)."""
+    emitted = [0] * n
+
+    def on_emit(req, tokens):
+        emitted[req] += len(tokens)
+        if tokens[-1] in stop_ids or emitted[req] >= max_new_tokens:
+            bar.update(1)
+    return on_emit
 
 
 # --- peers: what a user would run instead, on the same target object, prompts and stop tokens ---
@@ -431,6 +466,10 @@ def build_parser():
                     help="time wave by wave, every method on a wave in turn (rotating order), so a drifting machine "
                          "hits each method alike; a wave is --concurrency prompts decoded as one batch that shrinks "
                          "as its requests end (one prompt at concurrency 1); adds each wave's speedup over ar")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="--interleave, and our methods decode each wave at once, taking turns step by step, each "
+                         "timed over its own steps (peers still take whole waves in turn): the machine's speed, "
+                         "which moves within a wave, falls on every method alike")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="every request decodes --max-new-tokens tokens, its stop tokens ignored (serving benchmarks' "
                          "practice): at T > 0 the methods draw different outputs, whose lengths would change the work "
@@ -488,6 +527,10 @@ def check_args(args):
         args.rounds = 2 if args.protocol else 1
     if args.pld_sweep:
         args.methods, args.concurrency = ["hf-pld"], [1]
+    if args.lockstep and (args.profile or args.alternate):
+        raise SystemExit("--lockstep times each method's steps as a whole: not with --profile (whose phase timers "
+                         "would see every method's calls) or --alternate")
+    args.interleave = args.interleave or args.lockstep
     if args.interleave and args.alternate:
         raise SystemExit("--interleave takes turns wave by wave between methods; --alternate between eager and "
                          "compiled: choose one")
@@ -603,7 +646,7 @@ def take_turns(run, args, task, c, methods, first=0):
     start from the next method each), so the machine's drift and any cost of going first fall on all of them.
     Returns {method: {results (each unit's first), tokens, walls (each unit's, summed over the rounds), timings}};
     a unit is the task's prompts (continuous batching), or with --interleave a wave: c of them decoded as one
-    batch, which shrinks as its requests end."""
+    batch, which shrinks as its requests end. With --lockstep our methods decode a wave at once (in_lockstep)."""
     prompts = run.prompts[task]
     units = [prompts[i:i + c] for i in range(0, len(prompts), c)] if args.interleave else [prompts]
     done = {m: dict(results=[None] * len(units), tokens=[0] * len(units), walls=[0.0] * len(units),
@@ -611,9 +654,13 @@ def take_turns(run, args, task, c, methods, first=0):
     for rnd in range(args.rounds if methods else 0):
         for i, batch in enumerate(units):
             k = (first + i + rnd) % len(methods)
-            for m in methods[k:] + methods[:k]:
-                where = f" wave {i + 1}" if args.interleave else ""
-                results, wall, timings = measure(run, args, m, c, batch, f"{task} {m} c={c} round {rnd + 1}{where}")
+            order = methods[k:] + methods[:k]
+            where = f" wave {i + 1}" if args.interleave else ""
+            ours = [m for m in order if m not in PEERS] if args.lockstep else []
+            together = in_lockstep(run, args, ours, c, batch, f"{task} c={c} round {rnd + 1}{where}") if ours else {}
+            for m in order:
+                results, wall, timings = together.get(m) or measure(run, args, m, c, batch,
+                                                                    f"{task} {m} c={c} round {rnd + 1}{where}")
                 d = done[m]
                 seen = d["results"][i]
                 if seen is not None and args.temperature == 0 and [r.tokens for r in seen] != [r.tokens for r in results]:
@@ -654,6 +701,8 @@ def cells(run, args):
                                completion_tokens=sum(len(r.tokens) for r in results), wall_s=wall)
                     if args.rounds > 1 or args.interleave:
                         row["rounds"] = args.rounds
+                    if args.lockstep:
+                        row["lockstep"] = True
                     if args.interleave:
                         row["wave_tok_s"] = [t / w for t, w in zip(d["tokens"], d["walls"])]
                     if row["method"] not in PEERS and row["method"] != "ar":

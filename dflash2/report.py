@@ -86,9 +86,11 @@ def tables(rows, tasks, methods, concurrencies, sections=SECTIONS):
         out.append("")
     per_wave = [r for r in rows if r.get("wave_speedups") and r["method"] != "ar"]
     if per_wave and "waves" in sections:  # --interleave
-        out += [f"Each wave's speedup over ar (--interleave: each method timed on a wave of `c` prompts in turn, one "
-                f"prompt at c = 1; pooled over {per_wave[0].get('rounds', 1)} round(s)): lowest, median, waves below "
-                "0.95× and below 1.0×\n",
+        turns = ("the methods decode a wave of `c` prompts at once, taking turns step by step"
+                 if per_wave[0].get("lockstep")
+                 else "each method timed on a wave of `c` prompts in turn")
+        out += [f"Each wave's speedup over ar (--interleave: {turns}, one prompt at c = 1; pooled over "
+                f"{per_wave[0].get('rounds', 1)} round(s)): lowest, median, waves below 0.95× and below 1.0×\n",
                 "| task | c | method | lowest | median | < 0.95× | < 1.0× |", "|---|---|---|---|---|---|---|"]
         for r in per_wave:
             x = r["wave_speedups"]

@@ -278,7 +278,6 @@ def make_policy(s, target, drafter, proposer):
     return None
 
 
-@torch.inference_mode()
 def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=None, trace=None, policy_override=None,
              **fields):
     """Speculative decoding of a batch of prompts (lists of token ids) under one DecodeSettings (keyword
@@ -295,6 +294,18 @@ def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=N
     block (or tree); `policy_override=` replaces the policy object the settings would build (tests, replays).
     Returns one Result per prompt.
     """
+    book = None
+    for book in decode_steps(target, drafter, prompts, settings, on_emit=on_emit, propose=propose, trace=trace,
+                             policy_override=policy_override, **fields):
+        pass
+    return book.results
+
+
+@torch.inference_mode()
+def decode_steps(target, drafter, prompts, settings=None, *, on_emit=None, propose=None, trace=None,
+                 policy_override=None, **fields):
+    """generate's loop, one step per next(): yields its Requests book after the first prefill and after every
+    step (bench.py's --lockstep lets several decodes take turns step by step)."""
     settings = DecodeSettings(**fields) if settings is None else dataclasses.replace(settings, **fields)
     forced = None if propose is None else lambda anchor, pos: propose(anchor, pos, torch.tensor(book.request))
     s, proposer, W, longest, limit = check_generate_args(target, drafter, prompts, settings, forced)
@@ -329,6 +340,7 @@ def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=N
         return rows
 
     rows = admit(None, list(range(min(len(prompts), s.max_batch or len(prompts)))))
+    yield book
     while True:
         free = book.free_rows()
         if free:  # an admitted request may already be done (stop token, or max_new_tokens = 1): loop again
@@ -355,4 +367,4 @@ def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=N
             policy.end(book.alive, host[:, 1].tolist(), drafted, v.width)
         if book.commit(host[:, 1:], widths):
             rows.live = torch.tensor(book.alive, device=device)
-    return book.results
+        yield book

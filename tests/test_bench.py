@@ -3,6 +3,7 @@ import gzip
 import importlib.util
 import json
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -393,6 +394,60 @@ def test_interleave_times_wave_by_wave_in_rotating_order(tiny_pair, tmp_path, ca
         _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--interleave", "--compile", "--alternate", "1")
     with pytest.raises(SystemExit, match="--rounds"):
         _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--rounds", "0")
+
+
+def test_lockstep_takes_turns_step_by_step_and_bills_each_method_its_own_steps(tiny_pair, tmp_path, monkeypatch):
+    """--lockstep: our methods decode each wave at once, one step each in the wave's rotating order (a method that
+    has ended drops out), a peer decodes the wave on its own; each method's wall is the time of its own steps only
+    (a clock that ticks once per reading: one tick per step, and one for the call that finds it ended). Outputs
+    are the sequential run's, and --lockstep refuses --profile and --alternate."""
+    yields, waves = [], []
+    real_steps = bench.decode_steps
+
+    def spy_steps(target, drafter, prompts, settings, **kwargs):
+        tag = (settings.method, settings.block_size)
+        for book in real_steps(target, drafter, prompts, settings, **kwargs):
+            yields.append(tag)
+            yield book
+
+    real_lockstep = bench.in_lockstep
+
+    def spy_lockstep(run, args, methods, c, batch, desc):
+        start = len(yields)
+        out = real_lockstep(run, args, methods, c, batch, desc)
+        waves.append((methods, yields[start:], {m: wall for m, (_, wall, _) in out.items()}))
+        return out
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(bench, "decode_steps", spy_steps)
+    monkeypatch.setattr(bench, "in_lockstep", spy_lockstep)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    write_tiny_data(tmp_path / "data")
+    flags = ("--tasks", "gsm8k", "--methods", "ar,dflash2,dflash2@2,hf", "--concurrency", "1,2", "--num-prompts",
+             "3", "--max-new-tokens", "10", "--rounds", "2")
+    report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", *flags, "--lockstep")
+    tag = {"ar": ("ar", None), "dflash2": ("dflash2", None), "dflash2@2": ("dflash2", 2)}
+    assert len(waves) == 2 * (3 + 2)  # 2 rounds of 3 waves at c = 1 and 2 waves at c = 2
+    for methods, seen, wall in waves:
+        assert set(methods) == set(tag) and "hf" not in methods
+        n = {m: seen.count(tag[m]) for m in methods}
+        assert all(k > 1 for k in n.values())  # a prefill and steps
+        assert seen == [tag[m] for t in range(max(n.values())) for m in methods if t < n[m]]
+        assert wall == {m: n[m] + 1.0 for m in methods}
+    assert [w[0] for w in waves[:3]] == [["ar", "dflash2", "dflash2@2"], ["dflash2", "dflash2@2", "ar"],
+                                         ["dflash2@2", "ar", "dflash2"]]  # hf's turns fall out of the rotation
+    rows = {(r["method"], r["concurrency"]): r for r in report["results"]}
+    for c, cell in ((1, waves[:6]), (2, waves[6:])):
+        for m in tag:
+            assert rows[m, c]["wall_s"] == sum(w[m] for _, _, w in cell) and rows[m, c]["lockstep"] is True
+    assert all(r["identical_to_ar"] is True for r in report["results"] if r["cannot_run"] is None)
+    assert rows["hf", 1]["wall_s"] > 0
+    sequential = _bench(tiny_pair, tmp_path / "data", tmp_path / "s.json", *flags, "--interleave")
+    assert {(r["method"], r["concurrency"]): r["completion_tokens"] for r in sequential["results"]} == {
+        k: r["completion_tokens"] for k, r in rows.items()}
+    for bad in (["--profile"], ["--compile", "--alternate", "1"]):
+        with pytest.raises(SystemExit, match="--lockstep"):
+            _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--lockstep", *bad)
 
 
 def test_ignore_eos_gives_every_method_the_same_tokens_to_make(tiny_pair, tmp_path, monkeypatch):
