@@ -13,9 +13,9 @@ requests in flight, batched by our loop: a finished request's row takes the next
 once (continuous batching, as a serving engine's maximum concurrency does). With --rounds N the methods
 of a cell take turns N times (the first one rotating, and each cell starting from the next method), so the
 machine's drift falls on all of them; with --interleave they take turns wave by wave (`concurrency` prompts a
-batch), and with --lockstep they decode each wave at once, taking turns step by step, which resolves about a
-percent on a machine whose speed moves by ten from one second to the next. At T > 0 each method draws its own outputs, of other
-lengths: --ignore-eos makes every request decode --max-new-tokens tokens, so every method does the same work.
+batch), and with --lockstep they decode each wave at once, taking turns step by step, so a machine whose speed
+moves within a wave slows all of them alike. At T > 0 each method draws its own outputs, of other lengths:
+--ignore-eos makes every request decode --max-new-tokens tokens, so every method does the same work.
 """
 import argparse
 import dataclasses
