@@ -13,8 +13,8 @@ requests in flight, batched by our loop: a finished request's row takes the next
 once (continuous batching, as a serving engine's maximum concurrency does). With --rounds N the methods
 of a cell take turns N times (the first one rotating, and each cell starting from the next method), so the
 machine's drift falls on all of them; with --interleave they take turns wave by wave (`concurrency` prompts a
-batch), and with --lockstep they decode each wave at once, taking turns step by step, so a machine whose speed
-moves within a wave slows all of them alike. At T > 0 each method draws its own outputs, of other lengths:
+batch), and with --lockstep they decode at once (a cell's prompts, or a wave with --interleave), taking turns step
+by step, so a machine whose speed moves within a decode slows all of them alike. At T > 0 each method draws its own outputs, of other lengths:
 --ignore-eos makes every request decode --max-new-tokens tokens, so every method does the same work.
 """
 import argparse
@@ -181,9 +181,9 @@ def run_method(target, drafter, prompts, method, concurrency, args, stop_ids, de
 
 
 def in_lockstep(run, args, methods, c, batch, desc):
-    """--lockstep: the methods decode one batch at once, taking turns step by step (spec_decode.decode_steps), each
-    timed over its own steps only, so a machine whose speed moves within a wave slows all of them alike. Returns
-    {method: (results, wall seconds, None)}."""
+    """--lockstep: the methods decode `batch` at once, c requests in flight each, taking turns step by step
+    (spec_decode.decode_steps), each timed over its own steps only, so a machine whose speed moves within a decode
+    slows all of them alike. Returns {method: (results, wall seconds, None)}."""
     bar = progress_bar(len(batch) * len(methods), desc)
     steps, books, walls = {}, {}, dict.fromkeys(methods, 0.0)
     for m in methods:
@@ -467,9 +467,9 @@ def build_parser():
                          "hits each method alike; a wave is --concurrency prompts decoded as one batch that shrinks "
                          "as its requests end (one prompt at concurrency 1); adds each wave's speedup over ar")
     ap.add_argument("--lockstep", action="store_true",
-                    help="--interleave, and our methods decode each wave at once, taking turns step by step, each "
-                         "timed over its own steps (peers still take whole waves in turn): the machine's speed, "
-                         "which moves within a wave, falls on every method alike")
+                    help="our methods decode a cell's prompts at once (a wave at a time with --interleave), taking "
+                         "turns step by step, each timed over its own steps (peers still take their turns whole): "
+                         "the machine's speed, which moves within a decode, falls on every method alike")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="every request decodes --max-new-tokens tokens, its stop tokens ignored (serving benchmarks' "
                          "practice): at T > 0 the methods draw different outputs, whose lengths would change the work "
@@ -530,7 +530,6 @@ def check_args(args):
     if args.lockstep and (args.profile or args.alternate):
         raise SystemExit("--lockstep times each method's steps as a whole: not with --profile (whose phase timers "
                          "would see every method's calls) or --alternate")
-    args.interleave = args.interleave or args.lockstep
     if args.interleave and args.alternate:
         raise SystemExit("--interleave takes turns wave by wave between methods; --alternate between eager and "
                          "compiled: choose one")
@@ -646,7 +645,7 @@ def take_turns(run, args, task, c, methods, first=0):
     start from the next method each), so the machine's drift and any cost of going first fall on all of them.
     Returns {method: {results (each unit's first), tokens, walls (each unit's, summed over the rounds), timings}};
     a unit is the task's prompts (continuous batching), or with --interleave a wave: c of them decoded as one
-    batch, which shrinks as its requests end. With --lockstep our methods decode a wave at once (in_lockstep)."""
+    batch, which shrinks as its requests end. With --lockstep our methods decode a unit at once (in_lockstep)."""
     prompts = run.prompts[task]
     units = [prompts[i:i + c] for i in range(0, len(prompts), c)] if args.interleave else [prompts]
     done = {m: dict(results=[None] * len(units), tokens=[0] * len(units), walls=[0.0] * len(units),

@@ -256,37 +256,52 @@ class DraftContext:
     def write(self, features, positions):
         """Context K/V of the target's tapped features [b, L, n*H] at positions [b, L], into slot = position.
 
-        One-token writes (plain steps) wait, and are projected together when the context is next read:
-        a run of plain steps pays one drafter projection, not one per step. A live row's one-token
-        writes are at distinct positions; a finished row's repeat its frozen slot, which nobody reads."""
-        if self.defer and features.shape[1] == 1:
-            self.pending.append((features, positions))
-            return
-        self.flush()
-        self._project(features, positions)
+        Writes wait, and are projected together when the context is next read: a run of plain steps pays one
+        drafter projection, not one per step, and a batch that never drafts (one of many rows, where no width
+        pays) never projects its prompts. They land in the order written: a later write's slots, a prompt's
+        padding or a step's rejected drafts, overwrite an earlier one's. A live row's one-token writes are at
+        distinct positions; a finished row's repeat its frozen slot, which nobody reads."""
+        self.pending.append((features, positions))
+        if not self.defer:
+            self.flush()
 
     def flush(self):
-        if self.pending:
-            features, positions = (torch.cat(t, 1) for t in zip(*self.pending))
-            self.pending = []
-            self._project(features, positions)
-
-    def _project(self, features, positions):
+        """Project every waiting write at once, then write them in order: consecutive one-token writes in one
+        index assignment, a wider one (a prefill, a verified block) alone."""
+        if not self.pending:
+            return
+        features, positions = (torch.cat(t, 1) for t in zip(*self.pending))
         new = self.drafter.context_kv(features.to(self.kv[0][0].dtype), positions)
+        start, groups = 0, []
+        for f, _ in self.pending:
+            n = f.shape[1]
+            if n == 1 and groups and groups[-1][1] == 1:
+                groups[-1][2] += 1
+            else:
+                groups.append([start, n, n])
+            start += n
+        self.pending = []
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        for (k, v), (nk, nv) in zip(self.kv, new):  # index assignment, updated in place (as SlotCacheLayer._write)
-            k[rows, :, positions] = nk.transpose(1, 2)
-            v[rows, :, positions] = nv.transpose(1, 2)
+        for a, _, n in groups:
+            at = positions[:, a:a + n]
+            for (k, v), (nk, nv) in zip(self.kv, new):  # index assignment, updated in place (as SlotCacheLayer._write)
+                k[rows, :, at] = nk[:, :, a:a + n].transpose(1, 2)
+                v[rows, :, at] = nv[:, :, a:a + n].transpose(1, 2)
 
     def view(self, length):
         self.flush()
         return [(k[:, :, :length], v[:, :, :length]) for k, v in self.kv]
 
     def select_rows(self, rows):
-        self.flush()
         self.kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.kv]
+        self.pending = [(f.index_select(0, rows), p.index_select(0, rows)) for f, p in self.pending]
 
     def copy_rows(self, rows, other):
+        """Rows `rows` take over `other`'s rows (requests admitted into finished rows). Where they are all of this
+        context's rows in order (a new wave), it takes other's buffers and waiting writes as they are."""
+        if rows.shape[0] == self.kv[0][0].shape[0] and bool((rows == torch.arange(len(rows), device=rows.device)).all()):
+            self.kv, self.pending = other.kv, other.pending
+            return
         self.flush()
         other.flush()
         for (k, v), (ok, ov) in zip(self.kv, other.kv):

@@ -12,9 +12,10 @@ Each step, for the batch of b rows in the forward (finished rows leave it; conti
    draft were accepted (W tokens a row for D(b) + V(W, b) against 1 for V(1, b): a compute-bound forward of
    many rows). Each row keeps its rate: the tokens it made on drafted steps per unit cost, in units of plain
    decoding's 1 per V(1, b) (a forgetting average). A batch's first drafted step sets its rows' rates on its
-   own, and a request that joins later starts from the batch's mean rate. The batch drafts while its live
-   rows' mean rate is at least PAY (a little over 1), i.e. while its drafted steps beat plain decoding's b tokens
-   per V(1, b) by more than the costs' error.
+   own, and a request that joins later starts from the batch's mean rate (its last one, if no row in flight has
+   a rate: requests that all end together leave the next ones what was learned, as the waits below). The batch
+   drafts while its live rows' mean rate is at least PAY (a little over 1), i.e. while its drafted steps beat
+   plain decoding's b tokens per V(1, b) by more than the costs' error.
    After a drafted step that did not pay, it decodes plainly for 2, 4, 8, ... (at most 64) steps before it
    tries again, and for at least as many as make that step's loss EXPLORE of them (a try costs more where
    drafting is dear: a batch of many rows waits longer), so failed tries cost at most EXPLORE of the time. A try
@@ -263,6 +264,7 @@ class Policy:
         self.plain_left, self.backoff = 0, 2  # plain steps before the batch tries drafting again, and the next wait
         self.after_plain = False  # the next drafted step is a try after a plain run
         self.ceiling = {}  # b -> whether a drafted step of b rows can pay at all (can_pay)
+        self.last_rate = None  # the batch's rate after its last drafted step
 
     def begin(self, requests, steps, alive):
         """Step 1, from earlier steps only: whether the drafter runs this step (drafting can pay at this batch size
@@ -270,9 +272,10 @@ class Policy:
         self.rows = [self.state.setdefault(r, RequestState()) for r in requests]
         self.alive = list(alive)
         known = [s.rate for s, a in zip(self.rows, alive) if a and s.rate is not None]
-        for s in self.rows:  # a request that joins: the batch's rate so far, this drafter on this machine
-            if s.rate is None and known:
-                s.rate = sum(known) / len(known)
+        joined = sum(known) / len(known) if known else self.last_rate
+        for s in self.rows:  # a request that joins: the batch's rate so far, this drafter on this machine (the rate
+            if s.rate is None and joined is not None:  # it had last when no row in flight has one: a new wave)
+                s.rate = joined
         return any(alive) and self.plain_left == 0 and self.can_pay(len(alive))
 
     def can_pay(self, b):
@@ -342,6 +345,7 @@ class Policy:
                     s.rate = max(s.rate, TRY_RATE)
                 s.rate = self.forget * s.rate + (1 - self.forget) * (n + 1) / cost
         self.after_plain = False
+        self.last_rate = self.rate()
         if self.rate() < PAY:  # drafting did not pay: plain steps, twice as many each time it fails again, and
             # enough that this step's loss (its cost less its tokens a row, in plain steps) is at most EXPLORE of them
             made = [n + 1 for n, a in zip(accepted, alive) if a]

@@ -109,8 +109,12 @@ def _prefill(target, proposer, prompts, max_len, max_new_tokens, W, static, samp
     ids, lens = ids.to(device), lens.to(device)
     positions = torch.arange(width, device=device).expand_as(ids)
     cache = target.new_cache(max_len)
-    logits, feats = target.forward(ids, positions, cache, width)
-    last = logits.gather(1, (lens - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1)
+    if static:  # one compiled prefill per width bucket: every position's logits (keeping a few is a shape per few)
+        logits, feats = target.forward(ids, positions, cache, width)
+        last = logits.gather(1, (lens - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1)
+    else:  # each prompt's last logits only
+        logits, feats = target.forward(ids, positions, cache, width, last=lens - 1)
+        last = logits.squeeze(1)
     ctx = proposer.context(len(prompts), max_len, device, defer=not static)
     if ctx is not None:
         ctx.write(feats, positions)

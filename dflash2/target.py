@@ -123,6 +123,7 @@ class Target:
         self.hidden_size = cfg.hidden_size
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.cache_arg = cache_kwarg(model)
+        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # load_target(prepack=True) swapped the linears for oneDNN ones; the draft head follows suit
         self.prepacked = any(isinstance(m, kernels.PackedLinear) for m in model.modules())
         bad = [l for l in self.layer_ids if not 0 <= l < self.num_layers]
@@ -155,12 +156,15 @@ class Target:
         return SlotCache(self.num_layers, max_len)
 
     @torch.no_grad()
-    def forward(self, ids, positions, cache, view_len, slots=None, visible=None):
+    def forward(self, ids, positions, cache, view_len, slots=None, visible=None, last=None):
         """ids, positions [b, T]; writes K/V at those positions; keys visible iff slot <= query position.
 
         A tree passes slots [b, T] (where its K/V go, default positions) and visible [b, T, view_len]
         (default slot <= position). view_len bounds the slots attended (>= max slot + 1). Returns
-        logits [b, T, V] (float32) and features [b, T, n*H] (empty when no layers are tapped).
+        logits [b, T, V] (float32) and features [b, T, n*H] (empty when no layers are tapped). A prefill
+        passes last [b], each row's last prompt index: its logits are then [b, 1, V], and where the model keeps
+        logits (transformers' logits_to_keep) the LM head reads the distinct indices of `last` in each row, not
+        every prompt token (32 prompts of 500 tokens: at most 1,024 positions, not 16,000 and a 3 GB tensor).
         """
         cache.write_positions = positions if slots is None else slots
         cache.write_rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
@@ -170,13 +174,20 @@ class Target:
         visible = visible[:, None]
         dtype = self.lm_head_weight.dtype
         mask = torch.zeros(visible.shape, dtype=dtype, device=ids.device).masked_fill(~visible, torch.finfo(dtype).min)
+        keep = {}
+        if last is not None and self.keeps_logits:  # sorted, distinct: a 1-D index tensor, as every 5.x reads it
+            keep["logits_to_keep"] = torch.unique(last)
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **{self.cache_arg: cache},
-                         use_cache=True, output_hidden_states=bool(self.layer_ids))
+                         use_cache=True, output_hidden_states=bool(self.layer_ids), **keep)
         if self.layer_ids:
             feats = torch.cat([out.hidden_states[l + 1] for l in self.layer_ids], dim=-1)
         else:
             feats = ids.new_zeros(ids.shape + (0,), dtype=dtype)
-        return out.logits.float(), feats
+        logits = out.logits
+        if last is not None:
+            at = torch.searchsorted(keep["logits_to_keep"], last) if keep else last
+            logits = logits[torch.arange(ids.shape[0], device=ids.device), at][:, None]
+        return logits.float(), feats
 
 
 def cache_kwarg(model):

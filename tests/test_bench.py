@@ -397,10 +397,11 @@ def test_interleave_times_wave_by_wave_in_rotating_order(tiny_pair, tmp_path, ca
 
 
 def test_lockstep_takes_turns_step_by_step_and_bills_each_method_its_own_steps(tiny_pair, tmp_path, monkeypatch):
-    """--lockstep: our methods decode each wave at once, one step each in the wave's rotating order (a method that
-    has ended drops out), a peer decodes the wave on its own; each method's wall is the time of its own steps only
-    (a clock that ticks once per reading: one tick per step, and one for the call that finds it ended). Outputs
-    are the sequential run's, and --lockstep refuses --profile and --alternate."""
+    """--lockstep --interleave: our methods decode each wave at once, one step each in the wave's rotating order (a
+    method that has ended drops out), a peer decodes the wave on its own; each method's wall is the time of its own
+    steps only (a clock that ticks once per reading: one tick per step, and one for the call that finds it ended).
+    Outputs are the sequential run's. --lockstep alone decodes each cell's prompts at once, c in flight (continuous
+    batching, one policy for the cell). --lockstep refuses --profile and --alternate."""
     yields, waves = [], []
     real_steps = bench.decode_steps
 
@@ -425,7 +426,7 @@ def test_lockstep_takes_turns_step_by_step_and_bills_each_method_its_own_steps(t
     write_tiny_data(tmp_path / "data")
     flags = ("--tasks", "gsm8k", "--methods", "ar,dflash2,dflash2@2,hf", "--concurrency", "1,2", "--num-prompts",
              "3", "--max-new-tokens", "10", "--rounds", "2")
-    report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", *flags, "--lockstep")
+    report = _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", *flags, "--lockstep", "--interleave")
     tag = {"ar": ("ar", None), "dflash2": ("dflash2", None), "dflash2@2": ("dflash2", 2)}
     assert len(waves) == 2 * (3 + 2)  # 2 rounds of 3 waves at c = 1 and 2 waves at c = 2
     for methods, seen, wall in waves:
@@ -445,6 +446,18 @@ def test_lockstep_takes_turns_step_by_step_and_bills_each_method_its_own_steps(t
     sequential = _bench(tiny_pair, tmp_path / "data", tmp_path / "s.json", *flags, "--interleave")
     assert {(r["method"], r["concurrency"]): r["completion_tokens"] for r in sequential["results"]} == {
         k: r["completion_tokens"] for k, r in rows.items()}
+    sizes, waves[:] = [], []
+    real_generate_steps = spy_steps
+
+    def sized_steps(target, drafter, prompts, settings, **kwargs):
+        sizes.append((len(prompts), settings.max_batch))
+        return real_generate_steps(target, drafter, prompts, settings, **kwargs)
+
+    monkeypatch.setattr(bench, "decode_steps", sized_steps)
+    whole = _bench(tiny_pair, tmp_path / "data", tmp_path / "w.json", *flags, "--lockstep")
+    assert len(waves) == 2 * 2 and sizes == [(3, c) for c in (1, 1, 2, 2) for _ in range(3)]  # a cell: one decode
+    assert {(r["method"], r["concurrency"]): r["completion_tokens"] for r in whole["results"]} == {
+        k: r["completion_tokens"] for k, r in rows.items()} and "wave_tok_s" not in whole["results"][0]
     for bad in (["--profile"], ["--compile", "--alternate", "1"]):
         with pytest.raises(SystemExit, match="--lockstep"):
             _bench(tiny_pair, tmp_path / "data", tmp_path / "r.json", "--lockstep", *bad)

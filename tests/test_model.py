@@ -355,6 +355,55 @@ def test_context_kv_shapes(config):
     assert all(k.shape == v.shape == (2, config.num_key_value_heads, 11, config.head_dim) for k, v in kv)
 
 
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), ops=st.lists(st.sampled_from(["one", "block", "read", "keep", "swap", "wave"]),
+                                                max_size=12))
+def test_deferred_context_writes_land_as_written(seed, ops):
+    """A context that defers its writes (the prefill's, plain steps' one-token ones, a verified block's) and projects
+    them at the next read holds what one that projects each write at once holds, whatever came between: ragged
+    prompts whose padding later writes overwrite, overlapping blocks, finished rows dropped (select_rows), requests
+    admitted into some rows or a whole new wave of them (copy_rows)."""
+    from dflash2.model import DraftContext
+    config = tiny_glm_config()
+    drafter = randomize(DFlash2Drafter(config), seed)
+    g = torch.Generator().manual_seed(seed)
+    n = len(config.target_layer_ids) * config.hidden_size
+    feats = lambda b, L: torch.randn(b, L, n, generator=g)
+    b, width, max_len = 3, 6, 40
+    lazy, eager = (DraftContext(drafter, b, max_len, "cpu", defer=d) for d in (True, False))
+    pos = torch.randint(2, width + 1, (b,), generator=g)  # ragged prompts: slots past each one's length are padding
+    f = feats(b, width)
+    for ctx in (lazy, eager):
+        ctx.write(f, torch.arange(width).expand(b, width))
+    for op in ops:
+        b = pos.shape[0]
+        if op in ("one", "block"):
+            L = 1 if op == "one" else 4
+            f, at = feats(b, L), pos[:, None] + torch.arange(L)
+            for ctx in (lazy, eager):
+                ctx.write(f, at)
+            pos = pos + (1 if op == "one" else torch.randint(1, L + 1, (b,), generator=g))
+        elif op == "read":
+            lazy.view(max_len)
+        elif op == "keep" and b > 1:
+            drop = int(torch.randint(0, b, (1,), generator=g))
+            keep = torch.tensor([r for r in range(b) if r != drop])
+            for ctx in (lazy, eager):
+                ctx.select_rows(keep)
+            pos = pos[keep]
+        elif op in ("swap", "wave"):
+            rows = torch.arange(b) if op == "wave" else torch.tensor([b - 1])
+            f = feats(len(rows), width)
+            new = [DraftContext(drafter, len(rows), max_len, "cpu", defer=d) for d in (True, False)]
+            for ctx, other in zip((lazy, eager), new):
+                other.write(f, torch.arange(width).expand(len(rows), width))
+                ctx.copy_rows(rows, other)
+            pos[rows] = width
+    for (k, v), (k_ref, v_ref) in zip(lazy.view(max_len), eager.view(max_len)):
+        torch.testing.assert_close(k, k_ref)
+        torch.testing.assert_close(v, v_ref)
+
+
 # -- candidate selector ---------------------------------------------------------------------
 
 def selector_inputs(b, n, V, H, r, K, seed, u_scale=3.0):

@@ -154,7 +154,8 @@ def test_a_batch_where_no_width_can_pay_never_drafts():
 
 def test_a_first_drafted_step_sets_the_rate_and_a_joining_request_takes_the_batchs():
     """Before any drafted step a request has no rate and the batch drafts; the step sets each row's rate to its
-    own tokens per unit cost; a request that joins later starts from the live rows' mean."""
+    own tokens per unit cost; a request that joins later starts from the live rows' mean, and requests that join
+    when no row in flight has a rate start from the batch's last rate, the wait before the next try unchanged."""
     c = costs(0.1, 0.2)
     policy = pol.Policy(c, 8)
     assert policy.begin([0, 1], [0, 0], [True, True]) and policy.rate() == 1.0
@@ -163,6 +164,12 @@ def test_a_first_drafted_step_sets_the_rate_and_a_joining_request_takes_the_batc
     assert [policy.state[r].rate for r in (0, 1)] == [4 / cost, 1 / cost]
     policy.begin([0, 1, 7], [1, 1, 0], [True, False, True])  # row 1 done, request 7 joins
     assert policy.state[7].rate == 4 / cost  # the mean over the live rows with a rate: request 0's
+    while policy.plain_left == 0:  # drafted steps that do not pay, until the rate falls and the batch waits
+        policy.end([True, False, True], [0, 0, 0], True, 4)
+    last, wait = policy.rate(), policy.plain_left
+    assert last < pol.PAY and wait > 0
+    assert not policy.begin([8, 9], [0, 0], [True, True])  # every row new (a wave after one that ended together):
+    assert [policy.state[r].rate for r in (8, 9)] == [last, last] and policy.plain_left == wait  # what was learned
 
 
 def test_the_batch_verifies_one_width_capped_by_each_rows_budget():

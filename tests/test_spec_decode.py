@@ -115,6 +115,58 @@ def test_batch_of_mixed_lengths_equals_each_alone(arch):
         assert res.tokens == alone.tokens and res.accepted == alone.accepted
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("keeps", [True, False])
+def test_a_prefill_computes_each_prompts_last_logits_only(arch, keeps, monkeypatch):
+    """The prefill's forward asks the model for the logits at each row's last prompt index only (logits_to_keep,
+    where the model takes it) and returns them exactly as the full forward's logits there; a model without
+    logits_to_keep gives all of them and the right ones are picked."""
+    model, target, drafter = pair(arch)
+    lens = torch.tensor([3, 7, 7, 1])
+    ids = torch.randint(0, 60, (4, 7), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(7).expand(4, 7)
+    full, feats = target.forward(ids, positions, target.new_cache(16), 7)
+    asked = []
+    real = type(model).forward
+
+    def spy(self, *args, **kwargs):
+        asked.append(kwargs.get("logits_to_keep"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    monkeypatch.setattr(target, "keeps_logits", keeps and target.keeps_logits)
+    last, feats_last = target.forward(ids, positions, target.new_cache(16), 7, last=lens - 1)
+    assert last.shape == (4, 1, full.shape[-1]) and torch.equal(feats_last, feats)
+    torch.testing.assert_close(last[:, 0], full[torch.arange(4), lens - 1])
+    assert asked[-1].tolist() == [0, 2, 6] if target.keeps_logits else asked[-1] is None
+
+
+def test_a_batch_that_never_drafts_never_projects_its_prompts(monkeypatch):
+    """The drafter's context writes wait for a read: a batch whose policy never drafts (many rows, where no width
+    pays) never runs the drafter's context projection, its prompts' included; its output is ar's."""
+    model, target, drafter = pair("llama")
+    calls = []
+    real = type(drafter).context_kv
+    monkeypatch.setattr(type(drafter), "context_kv", lambda self, *a: calls.append(1) or real(self, *a))
+
+    class Never:
+        def begin(self, requests, steps, alive):
+            return False
+
+        def end(self, *args):
+            pass
+
+        def cut_chain(self, *args):
+            raise AssertionError("a batch that never drafts never cuts")
+
+    prompts = [[1, 2, 3], list(range(5, 20)), [7]]
+    out = sd.generate(target, drafter, prompts, max_new_tokens=6, policy_override=Never())
+    assert calls == [] and [r.tokens for r in out] == [r.tokens for r in sd.generate(target, None, prompts,
+                                                                                     max_new_tokens=6, method="ar")]
+    sd.generate(target, drafter, prompts, max_new_tokens=6, policy="fixed")
+    assert calls  # a drafted step reads the context, and projects what waited
+
+
 def _drafts_by_step(target, drafter, prompts, **kwargs):
     """generate() plus every step's drafts, keyed by (request, step); a static run's frozen rows come
     after their request's last step and are left out by keeping each key's first record."""
