@@ -288,6 +288,41 @@ class DraftContext:
                 k[rows, :, at] = nk[:, :, a:a + n].transpose(1, 2)
                 v[rows, :, at] = nv[:, :, a:a + n].transpose(1, 2)
 
+    @classmethod
+    def gathered(cls, parts, groups):
+        """One context whose rows groups[i] (index lists covering 0..b-1) hold the rows of contexts parts[i] (a
+        batch prefilled a group of rows at a time). Each part's one waiting write (its prompts', of the part's
+        width) stays waiting, padded with zero features to the widest part's width: slots past a prompt are in
+        its row's future, as a prompt's own padding is."""
+        first = parts[0]
+        ctx = cls.__new__(cls)
+        ctx.defer, ctx.drafter, ctx.pending = first.defer, first.drafter, []
+        if any(len(p.pending) != 1 for p in parts):
+            for p in parts:
+                p.flush()
+        device = first.kv[0][0].device
+        groups = [torch.tensor(g, device=device) for g in groups]
+        b = sum(len(g) for g in groups)
+        ctx.kv = []
+        for layer in range(len(first.kv)):
+            pair = []
+            for j in range(2):
+                buf = first.kv[layer][j].new_empty((b,) + first.kv[layer][j].shape[1:])
+                for p, rows in zip(parts, groups):
+                    buf[rows] = p.kv[layer][j]
+                pair.append(buf)
+            ctx.kv.append(tuple(pair))
+        if first.pending:
+            width = max(p.pending[0][0].shape[1] for p in parts)
+            f0 = first.pending[0][0]
+            features = f0.new_zeros((b, width, f0.shape[2]))
+            positions = torch.arange(width, device=device).repeat(b, 1)
+            for p, rows in zip(parts, groups):
+                f, at = p.pending[0]
+                features[rows, : f.shape[1]], positions[rows, : f.shape[1]] = f, at
+            ctx.pending = [(features, positions)]
+        return ctx
+
     def view(self, length):
         self.flush()
         return [(k[:, :, :length], v[:, :, :length]) for k, v in self.kv]

@@ -83,6 +83,18 @@ class SlotCacheLayer(CacheLayerMixin):
             if getattr(self, name) is not None:
                 getattr(self, name)[rows] = getattr(other, name)
 
+    def gather(self, parts, groups):
+        """Row groups[i] of this (empty) layer take parts[i]'s rows, which are released as they are copied."""
+        for name in ("keys", "values", "idx_keys"):
+            first = getattr(parts[0], name)
+            if first is not None:
+                buf = first.new_empty((sum(map(len, groups)),) + first.shape[1:])
+                for part, rows in zip(parts, groups):
+                    buf[rows] = getattr(part, name)
+                    setattr(part, name, None)
+                setattr(self, name, buf)
+        self.is_initialized = parts[0].is_initialized
+
 
 class SlotCache(Cache):
     """The target's KV cache for ragged batches: one SlotCacheLayer per decoder layer."""
@@ -105,6 +117,17 @@ class SlotCache(Cache):
     def move(self, src, dst):
         for layer in self.layers:
             layer.move(src, dst)
+
+    @classmethod
+    def gathered(cls, parts, groups):
+        """One cache whose rows groups[i] (index lists covering 0..b-1) hold the rows of caches parts[i] (a batch
+        prefilled a group of rows at a time); the parts are emptied, layer by layer, as they are copied."""
+        cache = cls(len(parts[0].layers), parts[0].max_len)
+        device = next((layer.keys.device for layer in parts[0].layers if layer.keys is not None), "cpu")
+        groups = [torch.tensor(g, device=device) for g in groups]
+        for i, layer in enumerate(cache.layers):
+            layer.gather([p.layers[i] for p in parts], groups)
+        return cache
 
 
 class Target:

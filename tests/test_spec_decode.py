@@ -12,6 +12,7 @@ from dflash2.target import Target
 from targets import ARCHS, reference_greedy, synthetic_costs, tiny_drafter, tiny_target
 
 _cache = {}
+PREFILL_TOKENS = sd.PREFILL_TOKENS
 
 
 def pair(arch, block_size=8):
@@ -183,23 +184,45 @@ def _drafts_by_step(target, drafter, prompts, **kwargs):
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), method=st.sampled_from(["dflash2", "dflash", "ar"]), static=st.booleans())
 def test_continuous_batching_equals_each_alone(arch, data, method, static):
-    """With max_batch rows in flight, waiting requests are prefilled into finished rows; every request
-    must decode exactly as alone: same tokens, same acceptance, and the same drafts at every step (so
-    the copied target cache and drafter context are right, not only the lossless output)."""
+    """With max_batch rows in flight, waiting requests are prefilled into finished rows, a group of rows per
+    forward (PREFILL_TOKENS drawn: one row a group up to all of them); every request must decode exactly as alone:
+    same tokens, same acceptance, and the same drafts at every step (so the gathered and copied target cache and
+    drafter context are right, not only the lossless output)."""
     model, target, drafter = pair(arch)
     prompts = data.draw(st.lists(st.lists(st.integers(0, 62), min_size=1, max_size=12), min_size=2, max_size=6))
-    max_batch = data.draw(st.integers(1, len(prompts) - 1))
+    max_batch = data.draw(st.integers(1, len(prompts)))
+    budget = data.draw(st.sampled_from([1, 12, 24, 4096]))
     n = data.draw(st.integers(1, 16))
     refs = [reference_greedy(model, p, n) for p in prompts]
     stop = data.draw(st.sampled_from(sorted({t for r in refs for t in r})))  # some requests end early
     kwargs = dict(method=method, max_new_tokens=n, stop_ids=[stop], static=static, policy="fixed")
-    batch, drafts = _drafts_by_step(target, drafter, prompts, max_batch=max_batch, **kwargs)
+    sd.PREFILL_TOKENS = budget
+    try:
+        batch, drafts = _drafts_by_step(target, drafter, prompts, max_batch=max_batch, **kwargs)
+    finally:
+        sd.PREFILL_TOKENS = PREFILL_TOKENS
     for req, (p, ref, res) in enumerate(zip(prompts, refs, batch)):
         assert res.tokens == (ref[: ref.index(stop) + 1] if stop in ref else ref)
         alone, alone_drafts = _drafts_by_step(target, drafter, [p], **kwargs)
         assert res.accepted == alone[0].accepted
         assert {s: d for (q, s), d in drafts.items() if q == req and (0, s) in alone_drafts} == {
             s: d for (_, s), d in alone_drafts.items()}
+
+
+def test_prefill_groups_pack_the_longest_prompts_first():
+    """Rows in prefill groups: longest first, a group's rows times its longest prompt within PREFILL_TOKENS (one
+    row at least); a static run's batch in one group, in order."""
+    lens = [5, 40, 3, 20, 20, 1, 100]
+    groups = sd.prefill_groups(lens)
+    assert sorted(r for g in groups for r in g) == list(range(7))
+    assert [r for g in groups for r in g] == sorted(range(7), key=lambda r: -lens[r])
+    assert sd.prefill_groups(lens, static=True) == [list(range(7))]
+    for budget, want in ((60, [[6], [1], [3, 4, 0], [2, 5]]), (1, [[r] for r in (6, 1, 3, 4, 0, 2, 5)])):
+        sd.PREFILL_TOKENS = budget
+        try:
+            assert sd.prefill_groups(lens) == want
+        finally:
+            sd.PREFILL_TOKENS = PREFILL_TOKENS
 
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -219,9 +242,10 @@ def uncached_draft(model, target, drafter, tokens, size):
     return kv, h, drafter.draft_logits(h, target.lm_head_weight)
 
 
-@pytest.mark.parametrize("temperature, static, policy", [(0.0, False, None), (0.0, True, None), (0.7, False, None),
-                                                         (0.0, False, "costly drafts")])
-def test_drafter_state_equals_an_uncached_recomputation(monkeypatch, temperature, static, policy):
+@pytest.mark.parametrize("temperature, static, policy, prefill_tokens", [
+    (0.0, False, None, PREFILL_TOKENS), (0.0, True, None, PREFILL_TOKENS), (0.7, False, None, PREFILL_TOKENS),
+    (0.0, False, "costly drafts", PREFILL_TOKENS), (0.0, False, None, 12), (0.0, False, "costly drafts", 1)])
+def test_drafter_state_equals_an_uncached_recomputation(monkeypatch, temperature, static, policy, prefill_tokens):
     """At every drafted step of a ragged multi-step run of the golden pair (a fitted drafter, so drafts are
     accepted): each row's committed tokens end in its anchor at its position; its context K/V in
     slots 0..pos-1 equal context_kv of features recomputed without any cache; its h and draft logits
@@ -229,7 +253,8 @@ def test_drafter_state_equals_an_uncached_recomputation(monkeypatch, temperature
     over the recomputed scores. Bugs that keep greedy output lossless (a context row one slot late,
     a context mask off by one) fail here, not only in the golden traces. Under the auto policy with costly
     drafts (injected costs) runs of plain steps come between drafted ones: their one-token context writes are
-    deferred and projected together by the next draft, which must see them all, each at its position."""
+    deferred and projected together by the next draft, which must see them all, each at its position. With a
+    small PREFILL_TOKENS the prompts are prefilled in groups of rows, gathered into one cache and context."""
     from dflash2.pair import load_pair
     from dflash2.policy import Policy
 
@@ -277,6 +302,7 @@ def test_drafter_state_equals_an_uncached_recomputation(monkeypatch, temperature
             checked.append((req, pos))
 
     monkeypatch.setattr(proposers, "draft", spy)
+    monkeypatch.setattr(sd, "PREFILL_TOKENS", prefill_tokens)
     monkeypatch.setattr(policy_module, "EXPLORE", float("inf"))  # tries after 2, 4, 8 plain steps: a short decode
     # has drafted steps that read the writes its plain runs deferred
     override = None if policy is None else Policy(synthetic_costs(0.05, 4.0), 8)
