@@ -14,8 +14,9 @@ once (continuous batching, as a serving engine's maximum concurrency does). With
 of a cell take turns N times (the first one rotating, and each cell starting from the next method), so the
 machine's drift falls on all of them; with --interleave they take turns wave by wave (`concurrency` prompts a
 batch), and with --lockstep they decode at once (a cell's prompts, or a wave with --interleave), taking turns step
-by step, so a machine whose speed moves within a decode slows all of them alike. At T > 0 each method draws its own outputs, of other lengths:
---ignore-eos makes every request decode --max-new-tokens tokens, so every method does the same work.
+by step, so a machine whose speed moves within a decode slows all of them alike. At T > 0 each method draws its
+own outputs, of other lengths: --ignore-eos makes every request decode --max-new-tokens tokens, so every method
+does the same work.
 """
 import argparse
 import dataclasses

@@ -236,6 +236,9 @@ class DFlash2Drafter(nn.Module):
 load_drafter = DFlash2Drafter.from_pretrained  # the function form
 
 
+WAITING_POSITIONS = 1024  # the most positions a context keeps waiting to be projected (DraftContext.write)
+
+
 class DraftContext:
     """The drafter's KV cache: context K/V only, slot j = position j, per layer [b, kv_heads, max_len, hd].
 
@@ -251,7 +254,7 @@ class DraftContext:
         dtype = next(drafter.parameters()).dtype
         self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                    for _ in range(cfg.num_hidden_layers)]
-        self.pending = []  # one-token writes not yet projected: (features [b, 1, n*H], positions [b, 1])
+        self.pending = []  # writes not yet projected: (features [b, L, n*H], positions [b, L]), in order
 
     def write(self, features, positions):
         """Context K/V of the target's tapped features [b, L, n*H] at positions [b, L], into slot = position.
@@ -260,9 +263,10 @@ class DraftContext:
         drafter projection, not one per step, and a batch that never drafts (one of many rows, where no width
         pays) never projects its prompts. They land in the order written: a later write's slots, a prompt's
         padding or a step's rejected drafts, overwrite an earlier one's. A live row's one-token writes are at
-        distinct positions; a finished row's repeat its frozen slot, which nobody reads."""
+        distinct positions; a finished row's repeat its frozen slot, which nobody reads. Past WAITING_POSITIONS
+        positions waiting, they are projected then: the features a long plain run keeps stay bounded."""
         self.pending.append((features, positions))
-        if not self.defer:
+        if not self.defer or sum(f.shape[1] for f, _ in self.pending) > WAITING_POSITIONS:
             self.flush()
 
     def flush(self):

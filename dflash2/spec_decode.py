@@ -105,10 +105,9 @@ class Rows:
 
 VIEW_BUCKET = 128  # static mode: attention views grow in steps of this many slots
 PREFILL_TOKENS = 4096  # a prefill forward's rows times its longest prompt, at most (one row at least): a batch is
-# prefilled a group of rows at a time, longest prompts first, each group padded to its own longest. 32 math500
-# prompts (59 to 449 tokens) padded to one width are 14,368 tokens for 4,399; on this project's CPU the groups took
-# 23 s where one forward of 32 rows by 449 took 28 s before they were sorted (scratch, ms per prefill). And the
-# loop yields between groups (decode_steps), so a forward of many long prompts is not one indivisible turn.
+# prefilled a group of rows at a time, longest prompts first, each group padded to its own longest. The bench's 32
+# math500 prompts (59 to 449 tokens, 4,399 in all) padded to one width are 14,368 tokens; in groups, 7,514. The loop
+# yields between groups (decode_steps), so a prefill of many long prompts is not one indivisible turn.
 
 
 def prefill_groups(lens, static=False):

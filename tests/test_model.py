@@ -7,6 +7,7 @@ import torch.nn as nn
 from hypothesis import example, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
+from dflash2 import model as model_module
 from dflash2.checkpoint import CheckpointError, DFlash2Config
 from dflash2.model import CandidateSelector, DFlash2Drafter, DynamicConv, dflash1_walk
 from dflash2.proposers import select_path
@@ -357,19 +358,27 @@ def test_context_kv_shapes(config):
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**16), ops=st.lists(st.sampled_from(["one", "block", "read", "keep", "swap", "wave"]),
-                                                max_size=12))
-def test_deferred_context_writes_land_as_written(seed, ops):
+                                                max_size=12), waiting=st.sampled_from([1024, 8]))
+def test_deferred_context_writes_land_as_written(seed, ops, waiting):
     """A context that defers its writes (the prefill's, plain steps' one-token ones, a verified block's) and projects
     them at the next read holds what one that projects each write at once holds, whatever came between: ragged
     prompts whose padding later writes overwrite, overlapping blocks, finished rows dropped (select_rows), requests
-    admitted into some rows or a whole new wave of them (copy_rows)."""
-    from dflash2.model import DraftContext
+    admitted into some rows or a whole new wave of them (copy_rows); with few WAITING_POSITIONS, projected early."""
+    saved, model_module.WAITING_POSITIONS = model_module.WAITING_POSITIONS, waiting
+    try:
+        deferred_context_writes(seed, ops)
+    finally:
+        model_module.WAITING_POSITIONS = saved
+
+
+def deferred_context_writes(seed, ops):
     config = tiny_glm_config()
     drafter = randomize(DFlash2Drafter(config), seed)
     g = torch.Generator().manual_seed(seed)
     n = len(config.target_layer_ids) * config.hidden_size
     feats = lambda b, L: torch.randn(b, L, n, generator=g)
     b, width, max_len = 3, 6, 40
+    DraftContext = model_module.DraftContext
     lazy, eager = (DraftContext(drafter, b, max_len, "cpu", defer=d) for d in (True, False))
     pos = torch.randint(2, width + 1, (b,), generator=g)  # ragged prompts: slots past each one's length are padding
     f = feats(b, width)
@@ -399,6 +408,7 @@ def test_deferred_context_writes_land_as_written(seed, ops):
                 other.write(f, torch.arange(width).expand(len(rows), width))
                 ctx.copy_rows(rows, other)
             pos[rows] = width
+        assert sum(f.shape[1] for f, _ in lazy.pending) <= max(model_module.WAITING_POSITIONS, width)  # bounded (a prompt may wait whole)
     for (k, v), (k_ref, v_ref) in zip(lazy.view(max_len), eager.view(max_len)):
         torch.testing.assert_close(k, k_ref)
         torch.testing.assert_close(v, v_ref)
