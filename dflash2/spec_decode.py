@@ -125,10 +125,10 @@ def prefill_groups(lens, static=False):
     return groups
 
 
-def _prefill(target, proposer, prompts, max_len, max_new_tokens, W, static, sampling):
+def _prefill(target, proposer, prompts, max_len, max_new_tokens, W, static, sampling, u=None):
     """One target forward over right-padded prompts into a new cache (pad slots lie in the future of
     every real query); the proposer's context gets their features. Returns the new Rows, anchored at
-    each prompt's first generated token."""
+    each prompt's first generated token (drawn with uniforms u [b] at T > 0, if given)."""
     device = target.device
     lens = torch.tensor([len(p) for p in prompts])
     width = int(lens.max())
@@ -150,7 +150,7 @@ def _prefill(target, proposer, prompts, max_len, max_new_tokens, W, static, samp
     if ctx is not None:
         ctx.write(feats, positions)
     live = torch.ones(len(prompts), dtype=torch.bool, device=device)
-    return Rows(cache, ctx, sampling.first_tokens(last), lens, lens + max_new_tokens, live)
+    return Rows(cache, ctx, sampling.first_tokens(last, u), lens, lens + max_new_tokens, live)
 
 
 class Verified(NamedTuple):
@@ -368,11 +368,12 @@ def decode_steps(target, drafter, prompts, settings=None, *, on_emit=None, propo
         reqs = book.take(len(free))
         batch = [prompts[r] for r in reqs]
         groups, parts = prefill_groups([len(p) for p in batch], s.static), []
+        u = sampling.first_uniforms(len(batch), device)  # in row order, whatever the groups
         for g in groups:
             if parts:
                 yield book
             parts.append(_prefill(target, proposer, [batch[i] for i in g], max_len, s.max_new_tokens, W, s.static,
-                                  sampling))
+                                  sampling, None if u is None else u[torch.tensor(g, device=device)]))
         new = Rows.gathered(parts, groups)
         if rows is None:
             rows = new

@@ -119,12 +119,19 @@ class Sampling:
         if self.walk_temperature is None:
             self.walk_temperature = self.temperature
 
-    def first_tokens(self, last):
-        """The token after each prompt, from the prefill's last logits [b, V]."""
+    def first_tokens(self, last, u=None):
+        """The token after each prompt, from the prefill's last logits [b, V]; u [b]: its uniforms, if drawn
+        before (first_uniforms)."""
         if self.temperature == 0:
             return last.argmax(-1)
-        u = torch.rand(last.shape[0], generator=self.generator, device=last.device)
+        if u is None:
+            u = torch.rand(last.shape[0], generator=self.generator, device=last.device)
         return sample_from(process_logits(last, self.temperature, self.top_k, self.top_p), u)
+
+    def first_uniforms(self, b, device):
+        """The uniforms first_tokens would draw for b prompts (None when greedy): a batch prefilled a group of rows
+        at a time draws them once, in row order, so the groups never change a sampled output."""
+        return None if self.temperature == 0 else torch.rand(b, generator=self.generator, device=device)
 
 
 def acceptance_probability(p_draft, q_draft):

@@ -209,6 +209,20 @@ def test_continuous_batching_equals_each_alone(arch, data, method, static):
             s: d for (_, s), d in alone_drafts.items()}
 
 
+def test_prefill_groups_never_change_a_sampled_output(monkeypatch):
+    """The first tokens' uniforms are drawn once, in row order, whatever the prefill groups: a seeded run at T = 1
+    makes the same tokens with one row per group, longest first, as a static run, which prefills its rows in order
+    in one forward."""
+    model, target, drafter = pair("llama")
+    prompts = [[1, 2, 3], list(range(5, 20)), [7], [9, 9, 8, 8, 7, 7, 6]]
+    runs = []
+    for budget, static in ((1, False), (PREFILL_TOKENS, False), (PREFILL_TOKENS, True)):
+        monkeypatch.setattr(sd, "PREFILL_TOKENS", budget)
+        runs.append([r.tokens for r in sd.generate(target, drafter, prompts, max_new_tokens=8, temperature=1.0,
+                                                   seed=3, policy="fixed", static=static)])
+    assert runs[0] == runs[1] == runs[2]
+
+
 def test_prefill_groups_pack_the_longest_prompts_first():
     """Rows in prefill groups: longest first, a group's rows times its longest prompt within PREFILL_TOKENS (one
     row at least); a static run's batch in one group, in order."""

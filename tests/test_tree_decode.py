@@ -124,8 +124,8 @@ def _node_logits_wrong(arch="llama", steps=6, deep=None):
     prompts = GOLDEN_PROMPTS[:3] if arch == "golden" else [[1, 2, 3], list(range(5, 20)), [7]]
     emitted, seen, forward = {r: [] for r in range(len(prompts))}, [], target.forward
 
-    def spy(ids, positions, cache, view_len, slots=None, visible=None):
-        logits, feats = forward(ids, positions, cache, view_len, slots, visible)
+    def spy(ids, positions, cache, view_len, slots=None, visible=None, last=None):
+        logits, feats = forward(ids, positions, cache, view_len, slots, visible, last)
         seen.append(logits)
         return logits, feats
 
@@ -190,8 +190,8 @@ def test_position_by_node_index_is_caught_by_node_logits(monkeypatch):
     model, target, _ = pair("llama")
     forward = Target.forward
 
-    def by_index(self, ids, positions, cache, view_len, slots=None, visible=None):
-        return forward(self, ids, positions if slots is None else slots, cache, view_len, slots, visible)
+    def by_index(self, ids, positions, cache, view_len, slots=None, visible=None, last=None):
+        return forward(self, ids, positions if slots is None else slots, cache, view_len, slots, visible, last)
 
     monkeypatch.setattr(Target, "forward", by_index)
     assert _node_logits_wrong()
