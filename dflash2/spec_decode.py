@@ -319,8 +319,9 @@ def generate(target, drafter, prompts, settings=None, *, on_emit=None, propose=N
     fields build or amend it: generate(..., max_new_tokens=64)); one decode step per iteration.
 
     `method="ar"` runs the same loop with no drafts. `max_batch` caps the requests in flight: the
-    rest wait in order and each is prefilled into a row as soon as a request finishes (continuous
-    batching). `propose(anchor, pos, requests) -> (drafts, q)` replaces the drafter (tests force
+    rest wait in order and are prefilled into the rows of finished requests (continuous batching; a finished
+    row may stay empty for a few steps so that rows about to finish are refilled in the same forward,
+    results.Requests.hold). `propose(anchor, pos, requests) -> (drafts, q)` replaces the drafter (tests force
     acceptance patterns with it). `on_emit(request, tokens)` streams output. `trace(record)` receives
     every step's tensors (tracing adds host copies). `static=True` limits shapes to a few buckets (cache
     views rounded up to VIEW_BUCKET slots) for compiled cores. `method="dflash2-tree"` verifies a tree

@@ -121,6 +121,18 @@ def test_a_dear_try_waits_until_its_loss_is_a_small_share():
     assert plain_runs(pol.Policy(costs(0.1, 0.045 / pol.DRAFT_SLACK), 8), [0] * 7) == [5, 5, 8, 16, 32, 64, 64]
 
 
+def test_a_batchs_failed_try_is_charged_at_its_slowest_row():
+    """A drafted step costs 2 plain steps (flat verify, a draft of one). Two rows that make 3 and 1 tokens average 2,
+    break-even by their rate, yet the batch's run is as long as its slower row's, which made 1 token for 2: the try
+    lost 1 plain step, and the batch waits 1 / EXPLORE = 100 steps. One row that makes 2 lost nothing and waits the
+    doubling's 2."""
+    batch = pol.Policy(costs(0.0, 1.0 / pol.DRAFT_SLACK), 8)
+    assert batch.begin([0, 1], [0, 0], [True, True])
+    batch.end([True, True], [2, 0], True, 3)
+    assert batch.rate() == 1.0 and batch.plain_left == round(1 / pol.EXPLORE)
+    assert plain_runs(pol.Policy(costs(0.0, 1.0 / pol.DRAFT_SLACK), 8), [1]) == [2]
+
+
 def test_drafting_the_model_calls_break_even_is_left_to_plain_steps():
     """A drafted step that makes 2 tokens for 1.96 plain steps' cost (rate 1.02: a gain within the costs' error)
     waits, as one that does not pay; one that makes 2 for 1.85 (rate 1.08, over PAY) goes on drafting."""

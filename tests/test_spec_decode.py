@@ -7,12 +7,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from dflash2 import policy as policy_module, proposers, spec_decode as sd, verify
+from dflash2 import policy as policy_module, proposers, results as results_module, spec_decode as sd, verify
 from dflash2.target import Target
 from targets import ARCHS, reference_greedy, synthetic_costs, tiny_drafter, tiny_target
 
 _cache = {}
-PREFILL_TOKENS = sd.PREFILL_TOKENS
+PREFILL_TOKENS, HOLD = sd.PREFILL_TOKENS, results_module.HOLD
 
 
 def pair(arch, block_size=8):
@@ -185,28 +185,80 @@ def _drafts_by_step(target, drafter, prompts, **kwargs):
 @given(data=st.data(), method=st.sampled_from(["dflash2", "dflash", "ar"]), static=st.booleans())
 def test_continuous_batching_equals_each_alone(arch, data, method, static):
     """With max_batch rows in flight, waiting requests are prefilled into finished rows, a group of rows per
-    forward (PREFILL_TOKENS drawn: one row a group up to all of them); every request must decode exactly as alone:
-    same tokens, same acceptance, and the same drafts at every step (so the gathered and copied target cache and
-    drafter context are right, not only the lossless output)."""
+    forward (PREFILL_TOKENS drawn: one row a group up to all of them), at once or after finished rows were held for
+    others (HOLD drawn); every request must decode exactly as alone: same tokens, same acceptance, and the same
+    drafts at every step (so the gathered and copied target cache and drafter context are right, not only the
+    lossless output)."""
     model, target, drafter = pair(arch)
     prompts = data.draw(st.lists(st.lists(st.integers(0, 62), min_size=1, max_size=12), min_size=2, max_size=6))
     max_batch = data.draw(st.integers(1, len(prompts)))
     budget = data.draw(st.sampled_from([1, 12, 24, 4096]))
+    hold = data.draw(st.sampled_from([0.0, results_module.HOLD, 100.0]))
     n = data.draw(st.integers(1, 16))
     refs = [reference_greedy(model, p, n) for p in prompts]
     stop = data.draw(st.sampled_from(sorted({t for r in refs for t in r})))  # some requests end early
     kwargs = dict(method=method, max_new_tokens=n, stop_ids=[stop], static=static, policy="fixed")
-    sd.PREFILL_TOKENS = budget
+    sd.PREFILL_TOKENS, results_module.HOLD = budget, hold
     try:
         batch, drafts = _drafts_by_step(target, drafter, prompts, max_batch=max_batch, **kwargs)
     finally:
-        sd.PREFILL_TOKENS = PREFILL_TOKENS
+        sd.PREFILL_TOKENS, results_module.HOLD = PREFILL_TOKENS, HOLD
     for req, (p, ref, res) in enumerate(zip(prompts, refs, batch)):
         assert res.tokens == (ref[: ref.index(stop) + 1] if stop in ref else ref)
         alone, alone_drafts = _drafts_by_step(target, drafter, [p], **kwargs)
         assert res.accepted == alone[0].accepted
         assert {s: d for (q, s), d in drafts.items() if q == req and (0, s) in alone_drafts} == {
             s: d for (_, s), d in alone_drafts.items()}
+
+
+def _admissions(monkeypatch, target, prompts, accepts, **kwargs):
+    """Decode with forced acceptance (accepts[request] drafts accepted at its first step, none after) and record
+    each prefill forward: (the requests it admits, the tokens each live row has made by then)."""
+    admitted, book, real = [], None, sd._prefill
+
+    def spy(target_, proposer, batch, *args, **kw):
+        made = [] if book is None else [len(book.results[q].tokens) for q, a in zip(book.request, book.alive) if a]
+        admitted.append((sorted(prompts.index(p) for p in batch), sorted(made)))
+        return real(target_, proposer, batch, *args, **kw)
+
+    def propose(anchor, pos, rows):  # the target's next tokens for the first accepts[req] slots, then wrong ones
+        drafts = []
+        for r, req in enumerate(rows.tolist()):
+            k = accepts[req] if not book.results[req].accepted else 0
+            truth = refs[req][int(pos[r]) - len(prompts[req]) + 1:][:7]
+            drafts.append([truth[j] if j < k else (truth[j] + 1) % vocab for j in range(7)])
+        drafts = torch.tensor(drafts, device=anchor.device)
+        return drafts, torch.nn.functional.one_hot(drafts, vocab).float()
+
+    vocab, n = target.vocab_size, kwargs["max_new_tokens"]
+    refs = [reference_greedy(target.model, p, n + 8) for p in prompts]
+    monkeypatch.setattr(sd, "_prefill", spy)
+    for book in sd.decode_steps(target, None, prompts, propose=propose, block_size=8, policy="fixed", **kwargs):
+        pass
+    monkeypatch.setattr(sd, "_prefill", real)
+    for req, res in enumerate(book.results):
+        assert res.tokens == refs[req][: len(res.tokens)] and (len(res.tokens) == n or res.finished_by_stop)
+    return admitted
+
+
+def test_finished_rows_wait_for_rows_about_to_finish(monkeypatch):
+    """Two rows decode 12 tokens each; the first step's drafts put one 2 tokens ahead. Its row is held empty for the
+    other's 2 remaining steps (1 row times 2 steps <= HOLD * 2 rows), so both waiting requests are prefilled in one
+    forward, and the output stays exact. With HOLD = 0 the row is refilled at once: a prefill for each request. A
+    row 3 tokens ahead (3 > 2), or one that ends by a stop token far before the cap, is refilled at once."""
+    model, target, drafter = pair("llama")
+    prompts = [[1, 2, 3], [5, 6, 7, 8], [9, 8], [4, 4, 4]]
+    kwargs = dict(max_new_tokens=12, max_batch=2, stop_ids=[])
+    assert _admissions(monkeypatch, target, prompts, [2, 0, 0, 0], **kwargs) == [([0, 1], []), ([2, 3], [])]
+    assert _admissions(monkeypatch, target, prompts, [3, 0, 0, 0], **kwargs)[1] == ([2], [9])
+    monkeypatch.setattr(results_module, "HOLD", 0.0)
+    assert _admissions(monkeypatch, target, prompts, [2, 0, 0, 0], **kwargs)[1] == ([2], [10])
+    monkeypatch.setattr(results_module, "HOLD", HOLD)
+    refs = [reference_greedy(model, p, 12) for p in prompts]
+    i = next(i for i in range(6) if refs[0][i] not in refs[0][:i] + refs[1])  # request 0 ends at token i + 1
+    stop = refs[0][i]
+    assert _admissions(monkeypatch, target, prompts, [0, 0, 0, 0], **dict(kwargs, stop_ids=[stop]))[1] == ([2],
+                                                                                                          [i + 1])
 
 
 def test_prefill_groups_never_change_a_sampled_output(monkeypatch):
