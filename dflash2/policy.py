@@ -18,11 +18,10 @@ Each step, for the batch of b rows in the forward (finished rows leave it; conti
    plain decoding's b tokens per V(1, b) by more than the costs' error.
    After a drafted step that did not pay, it decodes plainly for 2, 4, 8, ... (at most 64) steps before it
    tries again, and for at least as many as make that step's loss EXPLORE of them (a try costs more where
-   drafting is dear: a batch of many rows waits longer), so failed tries cost at most EXPLORE of the time. In a
-   batch the loss is counted at the try's slowest row: the rows that accepted more run ahead of it, and their
-   lead shortens the batch's run only where they end and are refilled out of step (a row held empty, or a
-   prefill forward of its own: results.Requests.hold), so a try's cost to the batch is bounded by its cost less
-   the fewest tokens a row made (at one row, its cost less its tokens). A try
+   drafting is dear: a batch of many rows waits longer), so failed tries cost at most EXPLORE of the time. The
+   loss is the try's cost less its slowest row's tokens: rows that accepted more run ahead, and their lead pays
+   only where they end and are refilled out of step (a row held empty, or a prefill forward of its own:
+   results.Requests.hold), so this bounds a try's cost to a batch (at one row, its cost less its tokens). A try
    is judged mostly on its own: the rates it updates start from at least TRY_RATE. Each drafted step after which
    the rate still pays halves the wait (down to 2). A drafted step's cost counts its draft DRAFT_SLACK times
    D(b): a draft timed alone misses part of what it costs a step.
