@@ -442,7 +442,8 @@ def build_parser():
                          "(default: the device's, settings.DEFAULT_TREE_BUDGET)")
     ap.add_argument("--tree-scores", choices=TREE_SCORES, default="selector",
                     help="dflash2-tree's path scores: the selector's conditional law, or DDTree's per-slot marginals")
-    ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="requests in flight, e.g. 1,8,32")
+    ap.add_argument("--concurrency", type=_ints, default=None,
+                    help="requests in flight (default 1,8,32); with --report: only these of the run's columns")
     ap.add_argument("--num-prompts", type=int, default=16, help="the first N prompts of each task")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per request")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the card uses 1.0)")
@@ -524,6 +525,8 @@ def check_args(args):
     if args.protocol:
         args.tasks, args.methods = list(SIX_TASKS), ["ar", "dflash2", "dspark"]
     args.samplings = CARD_SAMPLINGS if args.protocol else [[args.temperature, args.top_p]]
+    if args.concurrency is None:
+        args.concurrency = [1, 8, 32]
     if args.rounds is None:
         args.rounds = 2 if args.protocol else 1
     if args.pld_sweep:
@@ -747,14 +750,22 @@ def eager_and_compiled(run, args, eager):
     return rows
 
 
+def reported(args):
+    """--report FILE: the results JSON (cut to --concurrency, if given) and the tables it prints."""
+    try:
+        data = json.loads(Path(args.report).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--report {args.report}: not a readable results JSON ({e})") from None
+    if args.concurrency is not None:
+        data = report.only_concurrencies(data, args.concurrency, args.report)
+    return data, report.text(data, args.sections)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.report:
-        try:
-            data = json.loads(Path(args.report).read_text())
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"--report {args.report}: not a readable results JSON ({e})") from None
-        print(report.text(data, args.sections))
+        data, text = reported(args)
+        print(text)
         return data
     check_args(args)
     run = load(args)

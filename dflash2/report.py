@@ -220,6 +220,19 @@ def samplings(data):
     return list(groups.items())
 
 
+def only_concurrencies(data, concurrencies, name):
+    """A results JSON cut to the cells at these concurrencies (--report FILE --concurrency ...); each must be one the
+    run measured."""
+    ran = data["config"]["concurrency"]
+    missing = [c for c in concurrencies if c not in ran]
+    if missing:
+        raise SystemExit(f"--concurrency {','.join(map(str, missing))}: {name} has concurrency "
+                         f"{','.join(map(str, ran))} only")
+    keep = [c for c in ran if c in concurrencies]
+    return {**data, "config": {**data["config"], "concurrency": keep},
+            **{k: [r for r in data[k] if r["concurrency"] in keep] for k in ("results", "alternate") if k in data}}
+
+
 def text(data, sections=SECTIONS):
     """Every table of a bench results JSON (the dict the bench wrote), in the order the run printed them."""
     config = data["config"]

@@ -538,6 +538,11 @@ def test_protocol_runs_the_cards_cells_and_reports_them_again_from_its_file(tiny
     assert capsys.readouterr().out == tables + "\n"
     bench.main(["--report", str(out), "--sections", "widths"])
     assert "Verified widths" in capsys.readouterr().out
+    bench.main(["--report", str(out), "--concurrency", "8", "--sections", "speed"])  # one column of the run's three
+    only8 = capsys.readouterr().out
+    assert "| task | ar c=8 | dflash2 c=8 | dspark c=8 |" in only8 and "c=1" not in only8 and "c=32" not in only8
+    with pytest.raises(SystemExit, match="card.json has concurrency 1,8,32 only"):
+        bench.main(["--report", str(out), "--concurrency", "8,4"])
     with pytest.raises(SystemExit, match="not a readable results JSON"):
         bench.main(["--report", str(tmp_path / "missing.json")])
 
