@@ -417,6 +417,9 @@ def pld_sweep(model, prompts, args, stop_ids):
 
 
 
+CONCURRENCY = (1, 8, 32)  # --concurrency's default: the model card's
+
+
 def _ints(s):
     values = [int(x) for x in s.split(",")]
     if not values or min(values) < 1:
@@ -442,8 +445,8 @@ def build_parser():
                          "(default: the device's, settings.DEFAULT_TREE_BUDGET)")
     ap.add_argument("--tree-scores", choices=TREE_SCORES, default="selector",
                     help="dflash2-tree's path scores: the selector's conditional law, or DDTree's per-slot marginals")
-    ap.add_argument("--concurrency", type=_ints, default=None,
-                    help="requests in flight (default 1,8,32); with --report: only these of the run's columns")
+    ap.add_argument("--concurrency", type=_ints, default=CONCURRENCY,
+                    help="requests in flight (with --report: only these of the run's columns, all if not given)")
     ap.add_argument("--num-prompts", type=int, default=16, help="the first N prompts of each task")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per request")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the card uses 1.0)")
@@ -525,8 +528,7 @@ def check_args(args):
     if args.protocol:
         args.tasks, args.methods = list(SIX_TASKS), ["ar", "dflash2", "dspark"]
     args.samplings = CARD_SAMPLINGS if args.protocol else [[args.temperature, args.top_p]]
-    if args.concurrency is None:
-        args.concurrency = [1, 8, 32]
+    args.concurrency = list(args.concurrency)
     if args.rounds is None:
         args.rounds = 2 if args.protocol else 1
     if args.pld_sweep:
@@ -756,7 +758,7 @@ def reported(args):
         data = json.loads(Path(args.report).read_text())
     except (OSError, ValueError) as e:
         raise SystemExit(f"--report {args.report}: not a readable results JSON ({e})") from None
-    if args.concurrency is not None:
+    if args.concurrency is not CONCURRENCY:  # given on the command line
         data = report.only_concurrencies(data, args.concurrency, args.report)
     return data, report.text(data, args.sections)
 
