@@ -416,7 +416,6 @@ def pld_sweep(model, prompts, args, stop_ids):
     return data
 
 
-
 CONCURRENCY = (1, 8, 32)  # --concurrency's default: the model card's
 
 
